@@ -1,0 +1,47 @@
+"""Version-gated fixes for PyTorch DTensor gaps.
+
+Call :func:`apply_all` once, before building the model::
+
+    import dtensor_patches
+    report = dtensor_patches.apply_all()
+    print(report)
+
+Every patch knows the torch releases it is for, its upstream issue/PR, and how to reproduce
+its bug; ``dtensor-patches check`` (or ``pytest --dtensor-patches-check``) fails as soon as the
+installed torch no longer has a bug a patch is gated for.
+"""
+
+from __future__ import annotations
+
+from dtensor_patches.errors import PatchError
+from dtensor_patches.patch import Handler, Patch, Strategy
+from dtensor_patches.registry import (
+    DISABLE_ENV,
+    apply_all,
+    get,
+    patched,
+    plan,
+    all_patches,
+    revert_all,
+)
+from dtensor_patches.report import Outcome, Report, Status
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DISABLE_ENV",
+    "Handler",
+    "Outcome",
+    "Patch",
+    "PatchError",
+    "Report",
+    "Status",
+    "Strategy",
+    "__version__",
+    "apply_all",
+    "get",
+    "patched",
+    "plan",
+    "all_patches",
+    "revert_all",
+]

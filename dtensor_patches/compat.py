@@ -1,0 +1,297 @@
+"""The one place that touches private torch DTensor APIs.
+
+Everything that reaches into ``torch.distributed.tensor._*`` or ``torch._C`` for DTensor lives
+here, so that a torch release that moves an internal breaks exactly one module, loudly. Every
+accessor raises :class:`~dtensor_patches.errors.PatchError` naming the missing internal; the
+caller reports the patch as failed and leaves torch as it was.
+
+How these internals moved between releases is recorded in ``shared/design.md`` §2 of the
+project; the supported range here is torch 2.9 to 2.15:
+
+- strategy functions take ``(op_schema)`` (2.7+); the output spec class is ``OpSpec`` (2.8+);
+- ``ShardingPropagator.register_op_strategy``, ``op_strategy_funcs``, ``op_to_schema_info``
+  and ``OpDispatcher._custom_op_handlers`` are stable across the range;
+- single-dim strategies (``op_single_dim_strategy_funcs``) exist from 2.11 and take priority
+  over ``op_strategy_funcs``;
+- the Python propagation cache is a thread-local LRU (``propagate_op_sharding.cache_clear``);
+  from 2.10 a C++ fast path keeps its own cache
+  (``torch._C._clear_DTensor_sharding_propagator_cache``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+from dtensor_patches.errors import PatchError
+
+__all__ = [
+    "REGISTRY_TABLES",
+    "RegistrySnapshot",
+    "clear_sharding_caches",
+    "custom_op_handlers",
+    "dtensor_types",
+    "has_native_handler",
+    "has_native_strategy",
+    "register_custom_handler",
+    "register_strategy",
+    "registry_state",
+    "resolve_op",
+    "restore",
+    "sharding_propagator",
+    "snapshot",
+    "torch_release",
+    "torch_version",
+]
+
+_MISSING = object()
+
+
+def torch_version() -> Version:
+    """The running torch version as a :class:`packaging.version.Version` (local label kept)."""
+    return Version(torch.__version__)
+
+
+def torch_release() -> Version:
+    """The release the running torch is, or leads up to: pre-release, dev and local labels dropped.
+
+    ``2.9.0a0+gitabc`` -> ``2.9.0``; ``2.14.1+cu130`` -> ``2.14.1``. Gates compare against this,
+    because a nightly of 2.10 carries the 2.10 code base, not the 2.9 one.
+    """
+    return Version(torch_version().base_version)
+
+
+def _attr(obj: Any, name: str, dotted: str) -> Any:
+    value = getattr(obj, name, _MISSING)
+    if value is _MISSING:
+        raise PatchError(
+            f"torch {torch.__version__} has no {dotted}: this private DTensor API moved; "
+            "dtensor_patches.compat needs updating for this release",
+            internal=dotted,
+        )
+    return value
+
+
+def _dtensor_class() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError as exc:  # pragma: no cover - torch < 2.5 is outside our range
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor.DTensor",
+            internal="torch.distributed.tensor.DTensor",
+        ) from exc
+    return DTensor
+
+
+def op_dispatcher() -> Any:
+    """``DTensor._op_dispatcher``, the process-wide DTensor op dispatcher."""
+    return _attr(_dtensor_class(), "_op_dispatcher", "DTensor._op_dispatcher")
+
+
+def sharding_propagator() -> Any:
+    """``DTensor._op_dispatcher.sharding_propagator``."""
+    return _attr(
+        op_dispatcher(), "sharding_propagator", "DTensor._op_dispatcher.sharding_propagator"
+    )
+
+
+def custom_op_handlers() -> dict[Any, Callable[..., object]]:
+    """``DTensor._op_dispatcher._custom_op_handlers``: op -> handler, consulted before propagation."""
+    return _attr(
+        op_dispatcher(), "_custom_op_handlers", "DTensor._op_dispatcher._custom_op_handlers"
+    )
+
+
+@functools.cache
+def dtensor_types() -> SimpleNamespace:
+    """The private classes a strategy function builds with, resolved for the running release.
+
+    Returns a namespace with ``OpSpec``, ``OpStrategy``, ``TupleStrategy``, ``OpSchema``,
+    ``RuntimeSchemaInfo``, ``DTensorSpec`` and ``TensorMeta``.
+
+    Raises:
+        PatchError: one of them is missing (named in the error).
+    """
+    try:
+        from torch.distributed.tensor import _dtensor_spec, _op_schema
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor._op_schema / _dtensor_spec",
+            internal="torch.distributed.tensor._op_schema",
+        ) from exc
+    prefix = "torch.distributed.tensor._op_schema."
+    return SimpleNamespace(
+        OpSpec=_attr(_op_schema, "OpSpec", prefix + "OpSpec"),
+        OpStrategy=_attr(_op_schema, "OpStrategy", prefix + "OpStrategy"),
+        TupleStrategy=_attr(_op_schema, "TupleStrategy", prefix + "TupleStrategy"),
+        OpSchema=_attr(_op_schema, "OpSchema", prefix + "OpSchema"),
+        RuntimeSchemaInfo=_attr(_op_schema, "RuntimeSchemaInfo", prefix + "RuntimeSchemaInfo"),
+        DTensorSpec=_attr(
+            _dtensor_spec, "DTensorSpec", "torch.distributed.tensor._dtensor_spec.DTensorSpec"
+        ),
+        TensorMeta=_attr(
+            _dtensor_spec, "TensorMeta", "torch.distributed.tensor._dtensor_spec.TensorMeta"
+        ),
+    )
+
+
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    """``"aten.alias.default"`` -> ``torch.ops.aten.alias.default``.
+
+    Raises:
+        PatchError: the namespace, packet or overload does not exist in this torch.
+    """
+    parts = name.split(".")
+    if len(parts) != 3:
+        raise ValueError(f"op name must be 'namespace.op.overload', got {name!r}")
+    namespace, packet, overload = parts
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, RuntimeError) as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no operator {name}", internal=f"torch.ops.{name}"
+        ) from exc
+
+
+# The propagator/dispatcher dicts whose entries for an op decide how DTensor runs it.
+# (owner, attribute, required): tables that not every supported release has are optional.
+REGISTRY_TABLES: tuple[tuple[str, str, bool], ...] = (
+    ("propagator", "op_strategy_funcs", True),
+    ("propagator", "op_to_schema_info", True),
+    ("propagator", "op_to_rules", True),
+    ("propagator", "op_single_dim_strategy_funcs", False),  # 2.11+
+    ("propagator", "op_to_schema_info_for_single_dim_strategy", False),  # 2.11+
+    ("dispatcher", "_custom_op_handlers", True),
+)
+
+
+def _tables() -> dict[str, dict[Any, Any]]:
+    owners = {"propagator": sharding_propagator(), "dispatcher": op_dispatcher()}
+    tables: dict[str, dict[Any, Any]] = {}
+    for owner, attr, required in REGISTRY_TABLES:
+        dotted = f"{owner}.{attr}"
+        table = getattr(owners[owner], attr, _MISSING)
+        if table is _MISSING:
+            if required:
+                _attr(owners[owner], attr, dotted)  # raises PatchError naming it
+            continue
+        tables[dotted] = table
+    return tables
+
+
+@dataclass(frozen=True)
+class RegistrySnapshot:
+    """The registry entries of some ops, as they were when taken (absent keys recorded too)."""
+
+    entries: dict[tuple[str, Any], Any] = field(default_factory=dict)
+
+
+def snapshot(ops: Iterable[Any]) -> RegistrySnapshot:
+    """Record every registry entry of ``ops`` (including their absence) for :func:`restore`."""
+    tables = _tables()
+    entries: dict[tuple[str, Any], Any] = {}
+    for op in ops:
+        for name, table in tables.items():
+            entries[(name, op)] = table.get(op, _MISSING)
+    return RegistrySnapshot(entries)
+
+
+def restore(snap: RegistrySnapshot) -> None:
+    """Put the recorded entries back exactly: re-insert old values, delete keys that were absent.
+
+    Caches are not cleared here; call :func:`clear_sharding_caches` afterwards.
+    """
+    tables = _tables()
+    for (name, op), value in snap.entries.items():
+        table = tables[name]
+        if value is _MISSING:
+            table.pop(op, None)
+        else:
+            table[op] = value
+
+
+def registry_state() -> dict[str, dict[Any, Any]]:
+    """A shallow copy of every registry table, for comparing before/after (tests, doctor)."""
+    return {name: dict(table) for name, table in _tables().items()}
+
+
+def has_native_strategy(op: Any) -> bool:
+    """Whether DTensor already has a sharding strategy or rule for ``op`` (any kind, any source)."""
+    tables = _tables()
+    return any(
+        op in tables[name]
+        for name in (
+            "propagator.op_strategy_funcs",
+            "propagator.op_to_rules",
+            "propagator.op_single_dim_strategy_funcs",
+        )
+        if name in tables
+    )
+
+
+def has_native_handler(op: Any) -> bool:
+    """Whether DTensor already routes ``op`` to a custom handler."""
+    return op in custom_op_handlers()
+
+
+def register_strategy(op: Any, strategy: Callable[[Any], Any], schema_info: Any = None) -> None:
+    """Register ``strategy(op_schema) -> OpStrategy | TupleStrategy`` for ``op``.
+
+    Uses ``ShardingPropagator.register_op_strategy``, stable from 2.4 through 2.15. Where a
+    single-dim strategy exists for ``op`` (2.11+), DTensor would silently prefer it, so that
+    case is refused.
+
+    Raises:
+        PatchError: the registration API is missing, or a single-dim strategy would shadow ours.
+    """
+    propagator = sharding_propagator()
+    single_dim = getattr(propagator, "op_single_dim_strategy_funcs", {})
+    if op in single_dim:
+        raise PatchError(
+            f"{op} has a single-dim strategy in torch {torch.__version__}; a strategy "
+            "registered through op_strategy_funcs would be ignored",
+            internal="ShardingPropagator.op_single_dim_strategy_funcs",
+        )
+    register = _attr(
+        propagator, "register_op_strategy", "ShardingPropagator.register_op_strategy"
+    )
+    register(op, strategy, schema_info)
+
+
+def register_custom_handler(op: Any, handler: Callable[..., object]) -> None:
+    """Route ``op`` on DTensors to ``handler(op_call, args, kwargs)`` before sharding propagation."""
+    custom_op_handlers()[op] = handler
+
+
+def clear_sharding_caches() -> None:
+    """Clear every sharding-propagation cache of the running release.
+
+    The Python cache is per thread (a ``threading.local`` LRU): this clears the calling
+    thread's; other threads that already propagated the changed ops keep theirs, so apply
+    patches before starting worker threads. From 2.10 the C++ fast path cache is cleared too.
+
+    Raises:
+        PatchError: a cache that this release must have is missing.
+    """
+    propagator = sharding_propagator()
+    cached = _attr(
+        propagator, "propagate_op_sharding", "ShardingPropagator.propagate_op_sharding"
+    )
+    # 2.5-2.9 expose only the inner lru_cache (``.cache``); later releases add ``cache_clear``.
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    else:
+        inner = _attr(cached, "cache", "ShardingPropagator.propagate_op_sharding.cache")
+        _attr(inner, "cache_clear", "ShardingPropagator.propagate_op_sharding.cache.cache_clear")()
+    if torch_release() >= Version("2.10"):
+        _attr(
+            torch._C,
+            "_clear_DTensor_sharding_propagator_cache",
+            "torch._C._clear_DTensor_sharding_propagator_cache",
+        )()

@@ -1,0 +1,188 @@
+"""What a patch is: its ops, its torch gate, its upstream references, how to apply, revert and reproduce it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from dtensor_patches import compat
+from dtensor_patches.errors import PatchError
+
+__all__ = ["Handler", "Patch", "Registration", "Strategy"]
+
+log = logging.getLogger("dtensor_patches")
+
+# One lock for every change to torch's registry: patches may share torch's dicts.
+REGISTRY_LOCK = threading.RLock()
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Register ``fn(op_schema) -> OpStrategy | TupleStrategy`` as ``op``'s sharding strategy.
+
+    ``schema_info`` is a ``RuntimeSchemaInfo`` naming the non-tensor arguments that change the
+    decision (dims, flags); without it the propagation cache reuses one decision for all of them.
+    """
+
+    op: str
+    fn: Callable[[Any], Any]
+    schema_info: Any = None
+
+    def install(self) -> None:
+        compat.register_strategy(compat.resolve_op(self.op), self.fn, self.schema_info)
+
+
+@dataclass(frozen=True)
+class Handler:
+    """Route ``op`` on DTensors to ``fn(op_call, args, kwargs)``, before sharding propagation.
+
+    For ops that fail inside shape propagation (data-dependent output shapes), where no
+    strategy is ever consulted.
+    """
+
+    op: str
+    fn: Callable[..., object]
+
+    def install(self) -> None:
+        compat.register_custom_handler(compat.resolve_op(self.op), self.fn)
+
+
+Registration = Strategy | Handler
+
+# A reproducer runs collectively on every rank of a mesh, with no patch of its own applied
+# by the caller, and says what is wrong: ``None`` when the result is correct (equal to the
+# single-device computation), otherwise a one-line description of the failure or mismatch.
+Reproducer = Callable[[Any], "str | None"]
+
+
+@dataclass(eq=False)
+class Patch:
+    """One version-gated fix for a DTensor gap.
+
+    Attributes:
+        name: short identifier, used by ``only=``/``exclude=``, the CLI and
+            ``DTENSOR_PATCHES_DISABLE``.
+        summary: one line on what the patch fixes.
+        ops: the operators it touches, as ``"namespace.op.overload"`` strings. Every variant
+            (in-place, ``out=``, other overloads) that needs the fix is listed.
+        gate: torch releases the patch is for, compared against
+            :func:`dtensor_patches.compat.torch_release` (pre-release, dev and local labels
+            dropped, so ``2.9.0a0+git…`` and ``2.9.1+cu130`` count as 2.9.0 and 2.9.1).
+        registrations: builds the strategies/handlers to install. Called at apply time only,
+            so importing the registry touches no torch internals.
+        reproduce: the reproducer (see ``Reproducer``): runs on a multi-rank mesh, returns
+            ``None`` when the result is right and a description of the bug otherwise.
+        upstream_issue: the torch issue that reports the bug, when known.
+        upstream_fix: the torch PR (and release) that fixed it, when known.
+        replicates: ``True`` when the fix moves data to ``Replicate()`` instead of keeping a
+            sharding; the README's patch table shows it.
+        overrides_existing: ``True`` for fixes that replace a strategy torch already registers
+            (wrong-result backports). Without it, an op that already has a strategy is never
+            overridden and the patch is reported as skipped.
+    """
+
+    name: str
+    summary: str
+    ops: tuple[str, ...]
+    gate: SpecifierSet
+    registrations: Callable[[], Sequence[Registration]]
+    reproduce: Reproducer
+    upstream_issue: str | None = None
+    upstream_fix: str | None = None
+    replicates: bool = False
+    overrides_existing: bool = False
+    _snapshot: compat.RegistrySnapshot | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"patch name must be a non-empty identifier, got {self.name!r}")
+        if not self.ops:
+            raise ValueError(f"patch {self.name!r} lists no ops")
+        if not isinstance(self.gate, SpecifierSet):
+            raise TypeError(f"patch {self.name!r}: gate must be a packaging SpecifierSet")
+
+    def applies_to(self, version: Version | str | None = None) -> bool:
+        """Whether the gate includes ``version`` (default: the running torch).
+
+        Pre-release, dev and local labels are dropped before comparing.
+        """
+        if version is None:
+            release = compat.torch_release()
+        else:
+            release = Version(Version(str(version)).base_version)
+        return self.gate.contains(release, prereleases=True)
+
+    def with_gate(self, gate: SpecifierSet | str) -> Patch:
+        """A copy of this patch with another gate (unapplied). Used to test the tripwires."""
+        return dataclasses.replace(self, gate=SpecifierSet(str(gate)))
+
+    @property
+    def is_applied(self) -> bool:
+        return self._snapshot is not None
+
+    def native_ops(self) -> list[str]:
+        """The ops of this patch that torch (or someone else) already covers.
+
+        Raises:
+            PatchError: an op or a registry internal is missing.
+        """
+        found = []
+        for name in self.ops:
+            op = compat.resolve_op(name)
+            if compat.has_native_strategy(op) or compat.has_native_handler(op):
+                found.append(name)
+        return found
+
+    def apply(self) -> bool:
+        """Install the patch. Returns ``False`` if it was already applied (nothing changes).
+
+        All-or-nothing: on any failure every registry entry of the patch's ops is put back as
+        it was and the caches are cleared, then the error is raised.
+
+        Raises:
+            PatchError: building or installing a registration failed (torch left untouched).
+        """
+        with REGISTRY_LOCK:
+            if self._snapshot is not None:
+                return False
+            ops = [compat.resolve_op(name) for name in self.ops]
+            snap = compat.snapshot(ops)
+            try:
+                for registration in self.registrations():
+                    if registration.op not in self.ops:
+                        raise PatchError(
+                            f"patch {self.name!r} registers {registration.op}, "
+                            "which is not in its ops list"
+                        )
+                    registration.install()
+                compat.clear_sharding_caches()
+            except BaseException as exc:
+                compat.restore(snap)
+                compat.clear_sharding_caches()
+                if isinstance(exc, PatchError):
+                    raise
+                raise PatchError(f"patch {self.name!r} failed to install: {exc!r}") from exc
+            self._snapshot = snap
+            log.info("dtensor_patches: applied %s (%s)", self.name, ", ".join(self.ops))
+            return True
+
+    def revert(self) -> bool:
+        """Restore the registry entries of this patch's ops exactly as before :meth:`apply`.
+
+        Returns ``False`` if the patch was not applied.
+        """
+        with REGISTRY_LOCK:
+            if self._snapshot is None:
+                return False
+            compat.restore(self._snapshot)
+            compat.clear_sharding_caches()
+            self._snapshot = None
+            log.info("dtensor_patches: reverted %s", self.name)
+            return True

@@ -1,0 +1,214 @@
+"""The registry of patches, and ``apply_all()`` / ``revert_all()`` / ``patched()`` over it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Collection, Iterator
+
+from dtensor_patches import compat
+from dtensor_patches.errors import PatchError
+from dtensor_patches.patch import REGISTRY_LOCK, Patch
+from dtensor_patches.report import Outcome, Report, Status
+
+__all__ = ["DISABLE_ENV", "all_patches", "apply_all", "get", "patched", "plan", "revert_all"]
+
+log = logging.getLogger("dtensor_patches")
+
+DISABLE_ENV = "DTENSOR_PATCHES_DISABLE"
+"""Comma-separated patch names to switch off without code changes, or ``all``."""
+
+# Patches applied by apply_all(), oldest first; revert_all() walks it backwards.
+_applied_order: list[Patch] = []
+
+
+def all_patches() -> tuple[Patch, ...]:
+    """Every registered patch, in application order."""
+    from dtensor_patches.patches import BUILTIN_PATCHES
+
+    return BUILTIN_PATCHES
+
+
+def get(name: str) -> Patch:
+    """The registered patch called ``name``.
+
+    Raises:
+        KeyError: no such patch (the message lists the known names).
+    """
+    for patch in all_patches():
+        if patch.name == name:
+            return patch
+    raise KeyError(f"no patch named {name!r}; known: {', '.join(p.name for p in all_patches())}")
+
+
+def _check_names(names: Collection[str], where: str) -> None:
+    known = {p.name for p in all_patches()}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(
+            f"{where} names unknown patch(es) {unknown}; known: {sorted(known)}"
+        )
+
+
+def _disabled_by_env() -> set[str] | None:
+    """Names switched off by DTENSOR_PATCHES_DISABLE; ``None`` means all of them."""
+    raw = os.environ.get(DISABLE_ENV, "").strip()
+    if not raw:
+        return set()
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    if "all" in names:
+        return None
+    _check_names(names, f"{DISABLE_ENV}={raw!r}")
+    return names
+
+
+def _decide(
+    patch: Patch,
+    only: Collection[str] | None,
+    exclude: Collection[str],
+    disabled: set[str] | None,
+) -> Outcome | None:
+    """The outcome that needs no change to torch, or ``None`` when the patch should be applied."""
+    if patch.name in exclude:
+        return Outcome(patch.name, Status.EXCLUDED, "exclude=")
+    if only is not None and patch.name not in only:
+        return Outcome(patch.name, Status.EXCLUDED, "not in only=")
+    if disabled is None or patch.name in disabled:
+        return Outcome(patch.name, Status.DISABLED, f"{DISABLE_ENV}")
+    if not patch.applies_to():
+        return Outcome(
+            patch.name,
+            Status.GATED_OUT,
+            f"gate torch{patch.gate} excludes {compat.torch_release()}",
+        )
+    if patch.is_applied:
+        return Outcome(patch.name, Status.ALREADY_APPLIED)
+    if not patch.overrides_existing:
+        native = patch.native_ops()
+        if native:
+            return Outcome(
+                patch.name,
+                Status.SKIPPED_NATIVE,
+                f"torch already has a strategy/handler for {', '.join(native)}",
+            )
+    return None
+
+
+def _validate_selection(only: Collection[str] | None, exclude: Collection[str]) -> None:
+    if isinstance(only, str) or isinstance(exclude, str):
+        raise TypeError("only= and exclude= take a collection of patch names, not a string")
+    if only is not None:
+        _check_names(only, "only=")
+    _check_names(exclude, "exclude=")
+
+
+def plan(*, only: Collection[str] | None = None, exclude: Collection[str] = ()) -> Report:
+    """What :func:`apply_all` would do now, without changing anything.
+
+    Patches that would be applied are reported as ``Status.WOULD_APPLY``.
+    """
+    _validate_selection(only, exclude)
+    with REGISTRY_LOCK:
+        disabled = _disabled_by_env()
+        outcomes = []
+        for patch in all_patches():
+            try:
+                decided = _decide(patch, only, exclude, disabled)
+            except PatchError as exc:
+                decided = Outcome(patch.name, Status.FAILED, str(exc))
+            outcomes.append(decided or Outcome(patch.name, Status.WOULD_APPLY))
+    return Report(str(compat.torch_version()), tuple(outcomes))
+
+
+def apply_all(
+    *,
+    only: Collection[str] | None = None,
+    exclude: Collection[str] = (),
+    strict: bool = False,
+) -> Report:
+    """Apply every registered patch whose gate includes the running torch.
+
+    Idempotent (a second call reports ``already applied`` and changes nothing) and safe to
+    call from several threads at once. Never overrides a strategy torch already has, unless
+    the patch is a wrong-result fix that exists to replace it. Each patch is all-or-nothing:
+    a patch that fails leaves torch's registry exactly as it was.
+
+    Args:
+        only: apply only these patch names.
+        exclude: never apply these patch names.
+        strict: raise on any failure; the patches this call applied are then reverted too.
+
+    Returns:
+        A :class:`~dtensor_patches.report.Report` with one outcome per registered patch.
+
+    Raises:
+        ValueError: ``only``/``exclude``/``DTENSOR_PATCHES_DISABLE`` name unknown patches.
+        PatchError: ``strict=True`` and a patch failed.
+    """
+    _validate_selection(only, exclude)
+    with REGISTRY_LOCK:
+        disabled = _disabled_by_env()
+        outcomes: list[Outcome] = []
+        newly_applied: list[Patch] = []
+        for patch in all_patches():
+            try:
+                decided = _decide(patch, only, exclude, disabled)
+                if decided is None:
+                    patch.apply()
+                    newly_applied.append(patch)
+                    _applied_order.append(patch)
+                    decided = Outcome(patch.name, Status.APPLIED)
+            except PatchError as exc:
+                log.error("dtensor_patches: %s failed: %s", patch.name, exc)
+                decided = Outcome(patch.name, Status.FAILED, str(exc))
+            outcomes.append(decided)
+        report = Report(str(compat.torch_version()), tuple(outcomes))
+        if strict and report.failed:
+            for patch in reversed(newly_applied):
+                patch.revert()
+                _applied_order.remove(patch)
+            raise PatchError(
+                "strict apply_all failed, nothing applied: "
+                + "; ".join(f"{o.name}: {o.reason}" for o in report if o.status is Status.FAILED)
+            )
+        log.info("%s", report)
+        return report
+
+
+def revert_all() -> list[str]:
+    """Revert every patch applied through :func:`apply_all`, newest first.
+
+    Restores the exact registry entries that existed before and clears the propagation
+    caches. Returns the names reverted.
+    """
+    with REGISTRY_LOCK:
+        reverted = []
+        while _applied_order:
+            patch = _applied_order.pop()
+            if patch.revert():
+                reverted.append(patch.name)
+        return reverted
+
+
+@contextlib.contextmanager
+def patched(
+    *,
+    only: Collection[str] | None = None,
+    exclude: Collection[str] = (),
+    strict: bool = False,
+) -> Iterator[Report]:
+    """Apply patches for the duration of a ``with`` block, then restore the previous state.
+
+    Only the patches this block applied are reverted on exit; ones applied before it stay.
+    """
+    report = apply_all(only=only, exclude=exclude, strict=strict)
+    try:
+        yield report
+    finally:
+        with REGISTRY_LOCK:
+            for name in reversed(report.applied):
+                patch = get(name)
+                patch.revert()
+                if patch in _applied_order:
+                    _applied_order.remove(patch)

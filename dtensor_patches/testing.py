@@ -1,0 +1,209 @@
+"""Long-lived multi-rank CPU process groups for tests and tripwires.
+
+Spawning a process group costs seconds (each rank imports torch), so a test session should
+pay it once. :class:`RankPool` starts ``world_size`` spawned processes, initialises a gloo
+process group among them, and then runs any number of functions on every rank.
+
+Functions are sent by reference (pickled as ``module.qualname``), so they must be defined at
+module level in an importable module. The parent's ``sys.path`` is handed to the ranks, so
+test modules that pytest can import are importable there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+__all__ = ["RankError", "RankPool", "run_on_ranks"]
+
+
+class RankError(RuntimeError):
+    """A function raised on one or more ranks of a :class:`RankPool`.
+
+    ``failures`` maps each failing rank to the formatted remote traceback.
+    """
+
+    def __init__(self, failures: Mapping[int, str]) -> None:
+        self.failures = dict(failures)
+        first = min(self.failures)
+        super().__init__(
+            f"{len(self.failures)} rank(s) failed ({sorted(self.failures)}); "
+            f"rank {first}:\n{self.failures[first]}"
+        )
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    backend: str,
+    sys_path: list[str],
+    env: dict[str, str],
+    conn: Connection,
+) -> None:
+    # Runs in a fresh interpreter (spawn): import torch here, not at module import time.
+    sys.path[:] = sys_path
+    # Quiet gloo's per-connection INFO lines unless the caller asked for a level.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.update(env)
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
+    )
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+    except BaseException:  # report the failure to the parent instead of hanging it
+        conn.send(("init-error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:  # the traceback is the result; the rank must stay alive
+            conn.send(("error", traceback.format_exc()))
+        else:
+            conn.send(("ok", result))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` long-lived spawned processes sharing one process group.
+
+    Args:
+        world_size: number of ranks (>= 1).
+        backend: ``torch.distributed`` backend, ``"gloo"`` for CPU.
+        env: extra environment variables set on every rank before torch is imported there
+            (e.g. ``{"DTENSOR_PATCHES_DISABLE": "all"}``).
+        timeout: seconds to wait for one :meth:`run` (or for start-up) before failing.
+
+    Raises:
+        ValueError: ``world_size < 1``.
+        RankError: a rank failed to join the process group.
+        TimeoutError: the ranks did not answer within ``timeout``.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        env: Mapping[str, str] | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="dtensor-patches-pg-")
+        init_file = os.path.join(self._tmpdir.name, "init")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, init_file, backend, list(sys.path), dict(env or {}), child),
+                daemon=True,
+                name=f"rank{rank}",
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            replies = self._collect()
+            failures = {r: tb for r, (kind, tb) in enumerate(replies) if kind != "ready"}
+            if failures:
+                raise RankError(failures)
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self) -> list[tuple[str, Any]]:
+        replies: list[tuple[str, Any]] = []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(self.timeout):
+                self.close()
+                raise TimeoutError(f"rank {rank} did not answer within {self.timeout} s")
+            try:
+                replies.append(conn.recv())
+            except EOFError:
+                replies.append(("error", f"rank {rank} exited (exit code {self._procs[rank].exitcode})"))
+        return replies
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        Raises:
+            RuntimeError: the pool is closed.
+            RankError: ``fn`` raised on any rank (carries every failing rank's traceback).
+            TimeoutError: a rank did not finish within ``timeout``; the pool is then closed,
+                because its ranks may be stuck inside a collective.
+        """
+        if not self._conns:
+            raise RuntimeError("RankPool is closed")
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        replies = self._collect()
+        failures = {r: payload for r, (kind, payload) in enumerate(replies) if kind != "ok"}
+        if failures:
+            raise RankError(failures)
+        return [payload for _, payload in replies]
+
+    def close(self) -> None:
+        """Stop the ranks and remove the rendezvous directory. Safe to call twice."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        self._procs = []
+        self._tmpdir.cleanup()
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_on_ranks(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> list[T]:
+    """Start a :class:`RankPool`, run ``fn`` once on every rank, close the pool."""
+    with RankPool(world_size, env=env) as pool:
+        return pool.run(fn, *args, **kwargs)
