@@ -1,0 +1,33 @@
+"""PPO value (critic) worker on PyTorch DTensor with FSDP2 + tensor and sequence parallelism.
+
+Modules, one job each:
+
+- :mod:`ppo_value.config`     typed configuration (:class:`ValueConfig`).
+- :mod:`ppo_value.alignment`  the ``V(s_t)`` right shift and the loss wrapper that applies it.
+- :mod:`ppo_value.losses`     clipped value loss with global token normalisation.
+- :mod:`ppo_value.gae`        generalised advantage estimation and masked whitening.
+- :mod:`ppo_value.metrics`    globally reduced statistics (explained variance, value stats).
+- :mod:`ppo_value.model`      ``transformers`` backbone plus a float32 scalar value head.
+- :mod:`ppo_value.parallel`   the (dp, tp) mesh, the TP + SP plan, FSDP2 sharding, SP padding.
+- :mod:`ppo_value.checkpoint` atomic sharded checkpoints (DCP) and Hugging Face export.
+- :mod:`ppo_value.worker`     :class:`ValueWorker`: ``get_values``, ``train``, checkpoints, hooks.
+- :mod:`ppo_value.ray_group`  the worker as a Ray actor and a group of them.
+- :mod:`ppo_value.task`       an in-process verifiable arithmetic task and tokenizer (demo data).
+- :mod:`ppo_value.demo`       ``python -m ppo_value.demo``: train the critic end to end.
+
+Heavy modules (torch.distributed, transformers, ray) are imported lazily by their users.
+"""
+
+from ppo_value.alignment import RightShiftLossWrapper, right_shift_values
+from ppo_value.config import ValueConfig
+from ppo_value.gae import compute_gae, masked_whiten
+from ppo_value.losses import clipped_value_loss
+
+__all__ = [
+    "RightShiftLossWrapper",
+    "ValueConfig",
+    "clipped_value_loss",
+    "compute_gae",
+    "masked_whiten",
+    "right_shift_values",
+]

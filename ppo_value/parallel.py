@@ -1,0 +1,195 @@
+"""Parallelism for :class:`~ppo_value.model.ValueModel`: a 2-D ``(dp, tp)`` device mesh, a
+tensor + sequence parallel plan for the supported families, FSDP2 over ``dp``, and padding of
+the sequence to a multiple of the TP degree.
+
+Conventions (design notes §3):
+
+- Sequence-parallel outputs stay DTensors (``use_local_output=False`` on the embedding,
+  ``o_proj``, ``down_proj`` and the final norm), so the rotary embedding and the causal mask
+  see the global sequence length.
+- The scalar value head is replicated over TP (not ``ColwiseParallel``: one output feature
+  would leave an empty shard and FSDP2's backward fails); only its ``[B, S, 1]`` output is
+  redistributed (in :meth:`ValueModel.forward`).
+- With ``tp > 1`` every parameter is a DTensor on the tp mesh before FSDP2 shards it over dp,
+  so all parameters end up on the same 2-D mesh and ``clip_grad_norm_`` works across it.
+- Sequence parallelism reduce-scatters along the sequence, which needs the length to be a
+  multiple of the TP degree (otherwise gloo aborts on a size mismatch; issue 5 item 7).
+  :func:`pad_for_sequence_parallel` pads on the right with masked tokens; causal attention
+  means the real tokens' outputs are unchanged, and callers trim the padding off.
+
+Only public APIs are used: ``init_device_mesh``, ``torch.distributed.tensor.parallel`` styles,
+``distribute_module`` and ``torch.distributed.fsdp.fully_shard``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from ppo_value.config import SUPPORTED_FAMILIES
+from ppo_value.model import ValueModel
+
+log = logging.getLogger(__name__)
+
+# FSDP2 warns when a wrapped module returns a view (nn.Linear on [B, S, H] does); the warning is
+# about in-place ops on such outputs, which this package never does.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+__all__ = [
+    "apply_fsdp",
+    "apply_tp_sp",
+    "build_mesh",
+    "pad_for_sequence_parallel",
+    "parallelize_value_model",
+]
+
+
+def build_mesh(dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
+    """A 2-D mesh named ``("dp", "tp")`` over the default process group.
+
+    Rank ``r`` sits at ``(r // tp, r % tp)``: consecutive ranks share a dp index (one TP group).
+
+    Raises:
+        ValueError: if the process group is not initialised or ``dp * tp`` differs from its
+            world size.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialised; call init_process_group first")
+    world = dist.get_world_size()
+    if dp * tp != world:
+        raise ValueError(f"dp * tp = {dp} * {tp} = {dp * tp} does not match world size {world}")
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _check_tp_divisibility(model: ValueModel, tp: int) -> None:
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_FAMILIES:
+        raise ValueError(f"no TP plan for model_type {cfg.model_type!r}; have {SUPPORTED_FAMILIES}")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    for name, n in (
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("num_key_value_heads", kv_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
+        if n % tp:
+            raise ValueError(f"tp={tp} must divide {name}={n}")
+
+
+def apply_tp_sp(model: ValueModel, tp_mesh: DeviceMesh) -> None:
+    """Apply the TP + SP plan in place (Qwen2 / Llama decoder layers).
+
+    Embedding row-wise (sequence-sharded DTensor output), q/k/v and gate/up column-wise,
+    o_proj and down_proj row-wise with sequence-sharded DTensor outputs, RMSNorms sequence
+    parallel, the value head replicated. Activations between blocks are ``Shard(1)``
+    (sequence) DTensors of shape ``[B, S, H]``.
+
+    Raises:
+        ValueError: unsupported family or a head / intermediate size not divisible by tp.
+    """
+    _check_tp_divisibility(model, tp_mesh.size())
+    backbone = model.model
+    parallelize_module(
+        backbone,
+        tp_mesh,
+        {
+            "embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            ),
+            "norm": SequenceParallel(use_local_output=False),
+        },
+    )
+    layer_plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    for layer in backbone.layers:
+        parallelize_module(layer, tp_mesh, layer_plan)
+    # Replicated head: params become Replicate DTensors; input is the Shard(1) final norm.
+    distribute_module(model.score, tp_mesh)
+
+
+def apply_fsdp(model: ValueModel, dp_mesh: DeviceMesh, *, mixed_precision: bool) -> None:
+    """FSDP2 ``fully_shard`` per decoder layer, on the head, and at the root, over ``dp_mesh``.
+
+    With ``mixed_precision`` the backbone computes with bf16 parameters and reduces gradients
+    in fp32; the head keeps fp32 parameters (its own ``fully_shard`` with an fp32 policy).
+    """
+    if mixed_precision:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy()
+    head_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model.score, mesh=dp_mesh, mp_policy=head_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+
+
+def parallelize_value_model(
+    model: ValueModel, mesh: DeviceMesh, *, mixed_precision: bool = False
+) -> ValueModel:
+    """TP + SP over ``mesh["tp"]`` when its size is > 1, then FSDP2 over ``mesh["dp"]``.
+
+    Returns the same (now sharded) module. ``tp == 1`` skips TP; ``dp == 1`` still wraps with
+    FSDP2 (a no-op shard) so the code path is uniform.
+    """
+    if mesh["tp"].size() > 1:
+        apply_tp_sp(model, mesh["tp"])
+    apply_fsdp(model, mesh["dp"], mixed_precision=mixed_precision)
+    return model
+
+
+def pad_for_sequence_parallel(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int, pad_token_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Right-pad ``[B, S]`` ids and mask to a sequence length that is a multiple of ``multiple``.
+
+    Padded positions get ``pad_token_id`` and mask 0. Under causal attention the outputs at the
+    original positions do not depend on them; trim results with ``out[:, :S]``.
+
+    Returns:
+        ``(input_ids, attention_mask, S)``: padded ``[B, S']`` tensors and the original ``S``.
+
+    Raises:
+        ValueError: on mismatched shapes or ``multiple < 1``.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must be equal [B, S] shapes"
+        )
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    seq = input_ids.shape[1]
+    pad = (-seq) % multiple
+    if pad == 0:
+        return input_ids, attention_mask, seq
+    ids = torch.nn.functional.pad(input_ids, (0, pad), value=pad_token_id)
+    mask = torch.nn.functional.pad(attention_mask, (0, pad), value=0)
+    return ids, mask, seq
