@@ -148,7 +148,10 @@ def apply_fsdp(model: ValueModel, dp_mesh: DeviceMesh, *, mixed_precision: bool)
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model.score, mesh=dp_mesh, mp_policy=head_policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    # The root must reshard after forward too (FSDP2 keeps the root unsharded by default):
+    # after a no-grad get_values the registered parameters would otherwise be the unsharded
+    # ones, which are not the optimizer's, and state-dict / checkpoint calls fail.
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=True)
 
 
 def parallelize_value_model(
