@@ -17,11 +17,11 @@ from dtensor_patches.errors import PatchError
 from dtensor_patches.patch import Handler, Patch, Strategy
 from dtensor_patches.registry import (
     DISABLE_ENV,
+    all_patches,
     apply_all,
     get,
     patched,
     plan,
-    all_patches,
     revert_all,
 )
 from dtensor_patches.report import Outcome, Report, Status
@@ -38,10 +38,10 @@ __all__ = [
     "Status",
     "Strategy",
     "__version__",
+    "all_patches",
     "apply_all",
     "get",
     "patched",
     "plan",
-    "all_patches",
     "revert_all",
 ]

@@ -24,7 +24,9 @@ def failure_of(fn: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {first_line}"
 
 
-def compare(got: torch.Tensor, expected: torch.Tensor, *, what: str, atol: float = 1e-6) -> str | None:
+def compare(
+    got: torch.Tensor, expected: torch.Tensor, *, what: str, atol: float = 1e-6
+) -> str | None:
     """``None`` when ``got`` equals ``expected`` (shape, dtype and values), else what differs."""
     if got.shape != expected.shape:
         return f"{what}: shape {tuple(got.shape)} != single-device {tuple(expected.shape)}"

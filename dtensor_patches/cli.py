@@ -115,11 +115,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
     results = _tripwires(args)
     failed = any(not r.passed for r in results)
     if args.json:
-        print(json.dumps({"torch_version": _torch_version(), "tripwires": [r.to_dict() for r in results]}, indent=2))
+        print(
+            json.dumps(
+                {"torch_version": _torch_version(), "tripwires": [r.to_dict() for r in results]},
+                indent=2,
+            )
+        )
     else:
         print(f"torch {_torch_version()}: tripwires on a {args.world_size}-rank CPU gloo mesh")
         _print_tripwires(results)
-        print(f"{sum(r.passed for r in results)} passed, {sum(not r.passed for r in results)} failed")
+        print(
+            f"{sum(r.passed for r in results)} passed, {sum(not r.passed for r in results)} failed"
+        )
     return 1 if failed else 0
 
 
@@ -174,16 +181,19 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     print(f"dtensor-patches {env['dtensor_patches']} on Python {env['python']}")
     build = f"CUDA {env['cuda_build']}" if env["cuda_build"] else "CPU-only build"
-    print(f"torch {env['torch_version']} (release {env['torch_release']}, {build}, git {env['torch_git']})")
+    print(
+        f"torch {env['torch_version']} (release {env['torch_release']}, {build}, git {env['torch_git']})"
+    )
     print(f"CUDA available: {env['cuda_available']}")
     backends = env["backends"]
     assert isinstance(backends, dict)
-    print("distributed backends: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items()))
+    print(
+        "distributed backends: "
+        + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items())
+    )
     print()
     print("apply_all() would:")
-    _print_table(
-        ["patch", "action", "reason"], [[o.name, o.status.value, o.reason] for o in plan]
-    )
+    _print_table(["patch", "action", "reason"], [[o.name, o.status.value, o.reason] for o in plan])
     if results:
         print()
         print(f"tripwires ({args.world_size}-rank CPU gloo mesh, stock torch vs each patch):")
@@ -200,12 +210,18 @@ def _parser() -> argparse.ArgumentParser:
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
     p_list.set_defaults(func=_cmd_list)
     for name, func, helptext in (
-        ("check", _cmd_check, "run the tripwires; exit 1 on a stale, too-narrow or ineffective patch"),
+        (
+            "check",
+            _cmd_check,
+            "run the tripwires; exit 1 on a stale, too-narrow or ineffective patch",
+        ),
         ("doctor", _cmd_doctor, "torch build, backends, what apply_all() would do, tripwires"),
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--world-size", type=int, default=2, help="ranks in the CPU gloo mesh (default 2)")
+        p.add_argument(
+            "--world-size", type=int, default=2, help="ranks in the CPU gloo mesh (default 2)"
+        )
         p.add_argument("--only", nargs="*", metavar="PATCH", help="check only these patches")
         p.add_argument(
             "--gate",

@@ -258,9 +258,7 @@ def register_strategy(op: Any, strategy: Callable[[Any], Any], schema_info: Any 
             "registered through op_strategy_funcs would be ignored",
             internal="ShardingPropagator.op_single_dim_strategy_funcs",
         )
-    register = _attr(
-        propagator, "register_op_strategy", "ShardingPropagator.register_op_strategy"
-    )
+    register = _attr(propagator, "register_op_strategy", "ShardingPropagator.register_op_strategy")
     register(op, strategy, schema_info)
 
 
@@ -280,9 +278,7 @@ def clear_sharding_caches() -> None:
         PatchError: a cache that this release must have is missing.
     """
     propagator = sharding_propagator()
-    cached = _attr(
-        propagator, "propagate_op_sharding", "ShardingPropagator.propagate_op_sharding"
-    )
+    cached = _attr(propagator, "propagate_op_sharding", "ShardingPropagator.propagate_op_sharding")
     # 2.5-2.9 expose only the inner lru_cache (``.cache``); later releases add ``cache_clear``.
     if hasattr(cached, "cache_clear"):
         cached.cache_clear()

@@ -101,7 +101,9 @@ def pytest_collection_modifyitems(
     items.extend(_items(session, tripwires, [p.name for p in registry.all_patches()]))
 
 
-def _items(session: pytest.Session, tripwires: _Tripwires, names: list[str]) -> Iterator[pytest.Item]:
+def _items(
+    session: pytest.Session, tripwires: _Tripwires, names: list[str]
+) -> Iterator[pytest.Item]:
     for name in names:
         yield TripwireItem.from_parent(
             session, name=f"dtensor-patches::{name}", tripwires=tripwires, patch_name=name

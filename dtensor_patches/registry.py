@@ -46,9 +46,7 @@ def _check_names(names: Collection[str], where: str) -> None:
     known = {p.name for p in all_patches()}
     unknown = sorted(set(names) - known)
     if unknown:
-        raise ValueError(
-            f"{where} names unknown patch(es) {unknown}; known: {sorted(known)}"
-        )
+        raise ValueError(f"{where} names unknown patch(es) {unknown}; known: {sorted(known)}")
 
 
 def _disabled_by_env() -> set[str] | None:

@@ -54,19 +54,20 @@ def _rank_main(
 ) -> None:
     # Runs in a fresh interpreter (spawn): import torch here, not at module import time.
     sys.path[:] = sys_path
-    # Quiet gloo's per-connection INFO lines unless the caller asked for a level.
+    # Ranks write to stderr only: the parent's stdout may carry machine-readable output
+    # (``--json``), and gloo prints connection lines on stdout in some releases.
+    sys.stdout.flush()
+    os.dup2(2, 1)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.update(env)
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
-    )
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     import torch.distributed as dist
 
     try:
         dist.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
         )
-    except BaseException:  # report the failure to the parent instead of hanging it
+    except BaseException:  # noqa: BLE001 - sent to the parent instead of hanging it
         conn.send(("init-error", traceback.format_exc()))
         return
     conn.send(("ready", None))
@@ -80,7 +81,7 @@ def _rank_main(
         fn, args, kwargs = message
         try:
             result = fn(*args, **kwargs)
-        except BaseException:  # the traceback is the result; the rank must stay alive
+        except BaseException:  # noqa: BLE001 - the traceback is the result; rank stays alive
             conn.send(("error", traceback.format_exc()))
         else:
             conn.send(("ok", result))
@@ -150,7 +151,9 @@ class RankPool:
             try:
                 replies.append(conn.recv())
             except EOFError:
-                replies.append(("error", f"rank {rank} exited (exit code {self._procs[rank].exitcode})"))
+                replies.append(
+                    ("error", f"rank {rank} exited (exit code {self._procs[rank].exitcode})")
+                )
         return replies
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:

@@ -1,0 +1,177 @@
+"""A real HF Qwen2ForCausalLM under TP=2 with sequence parallelism, called with ``logits_to_keep``.
+
+Two CPU ranks (gloo), a tiny random Qwen2 built from its config in-process (no downloads). Every
+rank builds the same weights from one seed, keeps a plain single-device copy as the reference,
+and parallelises the other copy with an explicit TP + SP plan (torchtitan style: SP regions stay
+DTensors, see design notes §3). On torch 2.9 the forward fails without ``apply_all()``:
+``hidden_states[:, slice_indices, :]`` on the sequence-sharded hidden states becomes
+``aten.alias.default`` when the slice spans the whole sequence (``logits_to_keep=0``, every
+position: the training and value paths), which has no sharding strategy there
+(pytorch/pytorch#170427). ``logits_to_keep=1`` slices part of the sharded dim and runs on
+stock 2.9 too.
+
+Usage::
+
+    python examples/qwen2_tp_sp_logits.py               # apply_all(), compare with single device
+    python examples/qwen2_tp_sp_logits.py --no-patches  # stock torch
+
+Prints one JSON line with the outcome per ``logits_to_keep``; exit code 0 when every run's
+logits match the single-device model within ``--atol``, 1 when one differs or raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from typing import Any
+
+import torch
+
+from dtensor_patches.testing import RankPool
+
+SEQ_LEN = 8
+BATCH = 2
+
+
+def tiny_qwen2_config() -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+
+
+def tp_sp_plan() -> dict[str, Any]:
+    """Qwen2/Llama TP + SP plan: column/row-wise linears, norms and embeddings sequence-sharded."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        "model.norm": SequenceParallel(use_local_output=False),
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
+        ),
+    }
+    layer = {
+        "input_layernorm": SequenceParallel(use_local_output=False),
+        # Gather the sequence once per block, before the column-parallel projections.
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=False,
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(use_local_output=False),
+        "mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
+        ),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    for suffix, style in layer.items():
+        plan[f"model.layers.*.{suffix}"] = style
+    return plan
+
+
+def _forward(model: Any, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=input_ids, logits_to_keep=logits_to_keep).logits
+
+
+def run_rank(use_patches: bool, keeps: list[int]) -> dict[str, Any]:
+    """On every rank: build, parallelise, run each ``logits_to_keep``; return diffs or errors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import Qwen2ForCausalLM
+
+    import dtensor_patches
+
+    report = dtensor_patches.apply_all() if use_patches else None
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_qwen2_config()).eval()
+    reference = copy.deepcopy(model)
+    input_ids = torch.randint(0, 128, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, tp_sp_plan())
+    runs: dict[str, Any] = {}
+    for keep in keeps:
+        expected = _forward(reference, input_ids, keep)
+        try:
+            got = _forward(model, input_ids, keep)
+        except Exception as exc:  # noqa: BLE001 - the example reports the failure as its result
+            message = str(exc).splitlines()[0] if str(exc) else ""
+            runs[str(keep)] = {"error": f"{type(exc).__name__}: {message}"}
+            continue
+        if got.shape != expected.shape:
+            runs[str(keep)] = {"error": f"logits {tuple(got.shape)} != {tuple(expected.shape)}"}
+            continue
+        runs[str(keep)] = {"max_abs_diff": float((got - expected).abs().max())}
+    return {
+        "torch": torch.__version__,
+        "patches": report.to_dict()["patches"] if report is not None else None,
+        "logits_to_keep": runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-patches", action="store_true", help="run on stock torch")
+    parser.add_argument(
+        "--logits-to-keep",
+        type=int,
+        nargs="+",
+        default=[0, 1],
+        help="values to run (0 keeps every position: the whole-dim slice that needs the patch)",
+    )
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--atol", type=float, default=1e-5)
+    args = parser.parse_args(argv)
+    with RankPool(args.world_size) as pool:
+        results = pool.run(run_rank, not args.no_patches, args.logits_to_keep)
+    summary: dict[str, Any] = {
+        "torch": results[0]["torch"],
+        "patches": results[0]["patches"],
+        "logits_to_keep": {},
+    }
+    ok = True
+    for keep in map(str, args.logits_to_keep):
+        per_rank = [r["logits_to_keep"][keep] for r in results]
+        errors = sorted({r["error"] for r in per_rank if "error" in r})
+        if errors:
+            summary["logits_to_keep"][keep] = {"ok": False, "error": errors[0]}
+            ok = False
+            continue
+        diff = max(r["max_abs_diff"] for r in per_rank)
+        summary["logits_to_keep"][keep] = {"ok": diff <= args.atol, "max_abs_diff": diff}
+        ok = ok and diff <= args.atol
+    summary["ok"] = ok
+    print(json.dumps(summary))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

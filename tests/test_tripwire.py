@@ -1,0 +1,70 @@
+"""Tripwires: verdict logic, and real runs that trip when a gate is widened or narrowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtensor_patches import get
+from dtensor_patches.testing import RankPool
+from dtensor_patches.tripwire import TripwireResult, Verdict, _on_rank, judge, run_tripwires
+
+BUG = "NotImplementedError: no strategy"
+
+
+@pytest.mark.parametrize(
+    ("in_gate", "bug", "after_patch", "verdict"),
+    [
+        (True, BUG, None, Verdict.OK),
+        (False, None, None, Verdict.OK),
+        (True, None, None, Verdict.STALE),
+        (False, BUG, None, Verdict.GATE_TOO_NARROW),
+        (True, BUG, "values differ", Verdict.INEFFECTIVE),
+    ],
+)
+def test_judge(in_gate: bool, bug: str | None, after_patch: str | None, verdict: Verdict) -> None:
+    got, message = judge(
+        patch="p", torch_version="2.13.0", in_gate=in_gate, bug=bug, after_patch=after_patch
+    )
+    assert got is verdict
+    assert message.startswith("p: ")
+    if verdict is Verdict.STALE:
+        assert "upstream fixed it in torch 2.13.0" in message
+        assert "narrow the gate / remove the patch" in message
+    if verdict is Verdict.GATE_TOO_NARROW:
+        assert "gate too narrow" in message
+
+
+def _run(pool: RankPool, gate: str) -> TripwireResult:
+    rows = pool.run(_on_rank, ["alias"], {"alias": gate})
+    assert rows[0] == rows[1]  # every rank reaches the same verdict
+    return TripwireResult(**{**rows[0][0], "verdict": Verdict(rows[0][0]["verdict"])})
+
+
+def test_registered_gate_passes() -> None:
+    (result,) = run_tripwires(["alias"])
+    assert result.passed, result.message
+    assert result.in_gate is get("alias").applies_to()
+    assert (result.bug is not None) is result.in_gate
+
+
+def test_widened_gate_trips_on_a_fixed_release(pool2: RankPool) -> None:
+    if get("alias").applies_to():
+        pytest.skip("this torch has the alias bug; widening the gate changes nothing here")
+    result = _run(pool2, ">=2.9")
+    assert result.verdict is Verdict.STALE
+    assert "upstream fixed it" in result.message
+
+
+def test_narrowed_gate_trips_on_a_broken_release(pool2: RankPool) -> None:
+    if not get("alias").applies_to():
+        pytest.skip("this torch is fixed; narrowing the gate is harmless here")
+    result = _run(pool2, "<2.9")
+    assert result.verdict is Verdict.GATE_TOO_NARROW
+    assert "aten.alias.default" in (result.bug or "")
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        run_tripwires(["alias"], world_size=1)
+    with pytest.raises(KeyError, match="nope"):
+        run_tripwires(["nope"])
