@@ -3,7 +3,8 @@
 A Ray group of ``dp * tp`` CPU workers (default dp=2 x tp=2 with sequence parallelism) trains
 the value model on rollouts of :class:`ppo_value.task.ArithmeticTask` (reward 1 only for a
 correct sum) from a random answer generator. Each step: sample rollouts, ``get_values``
-(old values), GAE returns, one ``train`` step. Logs ``critic/loss``, explained variance and
+(old values), GAE returns, ``--ppo-epochs`` ``train`` steps on that batch (the value clip
+is active from the second). Logs ``critic/loss``, explained variance and
 grad norm per step under a tqdm bar, measures explained variance on a fixed held-out set of
 rollouts, saves ``critic_curve.png``, ``metrics.json`` and a checkpoint, reloads the checkpoint
 into a fresh group started from another seed and checks that the values match.
@@ -44,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument(
+        "--ppo-epochs", type=int, default=2, help="train steps per rollout batch (value clip)"
+    )
     p.add_argument("--gamma", type=float, default=1.0)
     p.add_argument("--lam", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -159,14 +163,15 @@ def main(argv: list[str] | None = None) -> int:
                 roll.rewards, old_values, roll.loss_mask, gamma=args.gamma, lam=args.lam
             )
             group.prepare_for_training()
-            metrics = group.train(
-                {
-                    **_batch(roll),
-                    "loss_mask": roll.loss_mask,
-                    "old_values": old_values,
-                    "returns": returns,
-                }
-            )
+            for _ in range(args.ppo_epochs):
+                metrics = group.train(
+                    {
+                        **_batch(roll),
+                        "loss_mask": roll.loss_mask,
+                        "old_values": old_values,
+                        "returns": returns,
+                    }
+                )
             group.finish_training()
             metrics["step"] = step
             history.append(metrics)
