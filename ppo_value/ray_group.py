@@ -72,6 +72,10 @@ class RayValueWorker:
             }
         )
         logging.basicConfig(level=log_level)
+        if logging.getLevelName(log_level) > logging.INFO:
+            # DTensor's "N sequential collectives" performance hints (grad-norm and
+            # full-state-dict redistributions on the 2-D mesh) are shown at INFO and below.
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         self.worker = ValueWorker(ValueConfig.from_dict(config))
         return self.rank
 
