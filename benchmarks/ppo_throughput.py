@@ -10,7 +10,8 @@ peak memory of each rank for:
 Each layout runs in a fresh :class:`dtensor_patches.testing.RankPool` (gloo on CPU, nccl
 when CUDA is available; a layout needing more GPUs than present is skipped). Peak memory is
 ``ru_maxrss`` of the rank process on CPU (MiB, includes the Python/torch runtime) and
-``torch.cuda.max_memory_allocated`` on GPU. Tokens/s counts every position of the global
+``torch.cuda.max_memory_allocated`` on GPU; the size of each rank's parameter shard is
+reported beside it. Tokens/s counts every position of the global
 ``[B, S]`` batch, timed on rank 0 after ``--warmup`` untimed iterations.
 
     python benchmarks/ppo_throughput.py --output out/ppo_throughput.json
@@ -88,7 +89,14 @@ def bench_rank(cfg_dict: dict[str, Any], args: dict[str, Any]) -> dict[str, floa
         peak_mib = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from torch.distributed.tensor import DTensor
+
+    local_params = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+        for p in worker.model.parameters()
+    )
     return {
+        "param_mib": local_params / 2**20,
         "get_values_tokens_per_s": tokens / t_values,
         "train_tokens_per_s": tokens / t_train,
         "get_values_s": t_values,
@@ -176,17 +184,24 @@ def main(argv: list[str] | None = None) -> int:
                 "get_values_tokens_per_s": per_rank[0]["get_values_tokens_per_s"],
                 "train_tokens_per_s": per_rank[0]["train_tokens_per_s"],
                 "peak_mem_mib_per_rank": [r["peak_mem_mib"] for r in per_rank],
+                "param_mib_per_rank": [r["param_mib"] for r in per_rank],
             }
         )
         results.append(row)
-    header = f"{'layout':<10} {'ranks':>5} {'get_values tok/s':>17} {'train tok/s':>12}  peak MiB per rank"
+    header = (
+        f"{'layout':<10} {'ranks':>5} {'get_values tok/s':>17} {'train tok/s':>12}  "
+        "peak MiB per rank (param shard MiB)"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         if "skipped" in r:
             print(f"{r['layout']:<10} {r['world_size']:>5}  skipped: {r['skipped']}")
             continue
-        mem = ", ".join(f"{m:.0f}" for m in r["peak_mem_mib_per_rank"])
+        mem = ", ".join(
+            f"{m:.0f} ({pm:.2f})"
+            for m, pm in zip(r["peak_mem_mib_per_rank"], r["param_mib_per_rank"], strict=True)
+        )
         print(
             f"{r['layout']:<10} {r['world_size']:>5} {r['get_values_tokens_per_s']:>17.0f} "
             f"{r['train_tokens_per_s']:>12.0f}  {mem}"
