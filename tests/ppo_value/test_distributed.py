@@ -174,3 +174,15 @@ def test_mixed_precision(pool: RankPool) -> None:
         assert r["head_dtypes"] == ["torch.float32"]
         assert r["diff"] < 5e-2
         assert torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all()
+
+
+@pytest.mark.slow
+def test_seeding_across_launches(pool: RankPool) -> None:
+    """A second, freshly spawned group of processes builds the same initial critic."""
+    batch = make_batch(4, 7, seed=21)
+    cfg = _cfg(dp=2, tp=2, seed=8)
+    first = pool.run(_ranks.seeded_values, cfg, batch, 1)[0]
+    with RankPool(world_size=4, env={"OMP_NUM_THREADS": "1"}) as other:
+        second = other.run(_ranks.seeded_values, cfg, batch, 2)
+    for values in second:
+        assert torch.equal(values, first)
