@@ -39,6 +39,7 @@ __all__ = [
     "dtensor_types",
     "has_native_handler",
     "has_native_strategy",
+    "local_tensor",
     "register_custom_handler",
     "register_strategy",
     "registry_state",
@@ -291,3 +292,15 @@ def clear_sharding_caches() -> None:
             "_clear_DTensor_sharding_propagator_cache",
             "torch._C._clear_DTensor_sharding_propagator_cache",
         )()
+
+
+def local_tensor(dtensor: Any) -> torch.Tensor:
+    """The DTensor's local shard itself (``DTensor._local_tensor``), not a copy.
+
+    In-place handlers write into it so that the caller's object changes in place; the public
+    ``to_local()`` goes through autograd and is not meant for writing.
+
+    Raises:
+        PatchError: the attribute moved.
+    """
+    return _attr(dtensor, "_local_tensor", "DTensor._local_tensor")

@@ -2,19 +2,39 @@
 
 A strategy function takes an ``OpSchema`` whose tensor arguments are ``OpStrategy`` objects (the
 candidate placements of each input) and returns an ``OpStrategy`` listing acceptable
-``OpSpec``s: output placements, the input placements they need, and the cost of moving each
-input there.
+``OpSpec``s: the output placements, the input placements they need, and the cost of moving
+each input there. DTensor then redistributes the inputs to the chosen input placements and runs
+the op on the local shards.
+
+The builders keep data sharded wherever the math allows and move only what must move:
+
+- an op along dims ``D`` (a reduction, scan, sort, flip…) keeps ``Shard(d)`` for ``d`` not in
+  ``D`` with no communication, and gathers (``Replicate()``) only mesh dims sharded on ``D``;
+- a ``Partial()`` input is reduced first unless the op is linear in it.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from dtensor_patches import compat
 from dtensor_patches.errors import PatchError
 
-__all__ = ["follow_input_strategy", "redistribute_cost"]
+__all__ = [
+    "PlacementRule",
+    "arg",
+    "dimwise_strategy",
+    "follow_input_strategy",
+    "normalize_dims",
+    "redistribute_cost",
+    "replicate_strategy",
+    "rule_strategy",
+    "schema_info",
+    "tensor_meta",
+    "uniform_strategy",
+]
 
 
 def redistribute_cost(src: Any, dst: Any) -> float:
@@ -34,29 +54,203 @@ def redistribute_cost(src: Any, dst: Any) -> float:
     return float(numel * meta.dtype.itemsize)
 
 
-def follow_input_strategy(op_schema: Any) -> Any:
-    """Output placements equal input placements, no communication.
+def tensor_meta(strategy: Any) -> Any:
+    """The ``TensorMeta`` (shape, stride, dtype) of a tensor argument's ``OpStrategy``."""
+    return strategy.strategies[0].output_spec.tensor_meta
 
-    For ops whose result, on any placement, is the same op applied to each local shard with the
-    same layout: ``alias``, ``view_of``-like identities. The first argument must be a tensor;
-    one ``OpSpec`` is offered per candidate placement of it.
+
+def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    """``dims`` as non-negative ints; ``None`` or ``[]`` means every dim (as ATen reductions do).
 
     Raises:
-        PatchError: the first argument is not a single tensor strategy.
+        IndexError: a dim out of range for ``ndim``.
     """
+    if dims is None:
+        return tuple(range(ndim))
+    if isinstance(dims, int):
+        dims = (dims,)
+    if len(dims) == 0:
+        return tuple(range(ndim))
+    rank = max(ndim, 1)  # 0-d tensors accept dim 0 / -1
+    out = []
+    for d in dims:
+        if not -rank <= d < rank:
+            raise IndexError(f"dim {d} out of range for a {ndim}-d tensor")
+        out.append(d % rank)
+    return tuple(sorted(set(out)))
+
+
+def _spec(template: Any, placements: Sequence[Any]) -> Any:
+    """A ``DTensorSpec`` like ``template`` (same mesh and tensor meta) with other placements."""
     types = compat.dtensor_types()
-    src = op_schema.args_schema[0]
-    if not isinstance(src, types.OpStrategy):
-        raise PatchError(f"{op_schema.op}: expected a tensor first argument, got {type(src)}")
-    candidates = [s.output_spec for s in src.strategies]
+    return types.DTensorSpec(
+        mesh=template.mesh, placements=tuple(placements), tensor_meta=template.tensor_meta
+    )
+
+
+def _is_shard(placement: Any) -> bool:
+    # Exactly Shard: _StridedShard (a subclass) encodes an order we do not reason about here.
+    from torch.distributed.tensor import Shard
+
+    return type(placement) is Shard
+
+
+def _is_partial(placement: Any) -> bool:
+    return bool(getattr(placement, "is_partial", lambda: False)())
+
+
+def _tensor_args(op_schema: Any) -> list[tuple[int, Any]]:
+    types = compat.dtensor_types()
+    return [(i, a) for i, a in enumerate(op_schema.args_schema) if isinstance(a, types.OpStrategy)]
+
+
+# Maps one input placement (on one mesh dim) to (input placement needed, output placement).
+PlacementRule = Callable[[Any], tuple[Any, Any]]
+
+
+def rule_strategy(
+    op_schema: Any,
+    rule: PlacementRule,
+    *,
+    num_outputs: int = 1,
+    driver: int = 0,
+    follow: Iterable[int] = (),
+) -> Any:
+    """One ``OpSpec`` per candidate placement of the tensor argument at position ``driver``.
+
+    ``rule`` maps each of its placements (one per mesh dim) to the placement the op needs and
+    the output placement. Tensor arguments at positions in ``follow`` take the driver's input
+    placements (same shape, e.g. ``mse_loss``'s target); every other tensor argument is
+    replicated. ``num_outputs`` outputs all get the same placements.
+
+    Raises:
+        PatchError: the argument at ``driver`` is not a tensor.
+    """
+    from torch.distributed.tensor import Replicate
+
+    types = compat.dtensor_types()
+    tensors = _tensor_args(op_schema)
+    by_position = dict(tensors)
+    if driver not in by_position:
+        raise PatchError(f"{op_schema.op}: expected a tensor argument at position {driver}")
+    follow = set(follow)
     specs = []
-    for target in candidates:
-        out = copy.copy(target)  # keeps every DTensorSpec field of this release (shard_order…)
+    for candidate in (s.output_spec for s in by_position[driver].strategies):
+        pairs = [rule(p) for p in candidate.placements]
+        in_placements = [p for p, _ in pairs]
+        out_placements = [p for _, p in pairs]
+        input_specs = []
+        costs = []
+        for position, strategy in tensors:
+            template = strategy.strategies[0].output_spec
+            if position == driver or position in follow:
+                wanted = _spec(template, in_placements)
+            else:
+                wanted = _spec(template, [Replicate()] * len(in_placements))
+            input_specs.append(wanted)
+            costs.append([redistribute_cost(s.output_spec, wanted) for s in strategy.strategies])
+        out = _spec(candidate, out_placements)
+        output_specs = (
+            out if num_outputs == 1 else tuple(copy.copy(out) for _ in range(num_outputs))
+        )
         specs.append(
             types.OpSpec(
-                output_specs=out,
-                input_specs=(copy.copy(target),),
-                redistribute_cost=[[redistribute_cost(c, target) for c in candidates]],
+                output_specs=output_specs, input_specs=tuple(input_specs), redistribute_cost=costs
             )
         )
     return types.OpStrategy(specs)
+
+
+def replicate_strategy(op_schema: Any, *, num_outputs: int = 1, driver: int = 0) -> Any:
+    """Gather every tensor argument; outputs replicated. Only where nothing sharded is correct."""
+    from torch.distributed.tensor import Replicate
+
+    return rule_strategy(
+        op_schema, lambda p: (Replicate(), Replicate()), num_outputs=num_outputs, driver=driver
+    )
+
+
+def follow_input_strategy(op_schema: Any) -> Any:
+    """Output placements equal input placements, no communication (``alias``-like identities)."""
+    return rule_strategy(op_schema, lambda p: (p, p), num_outputs=1)
+
+
+def dimwise_strategy(
+    op_schema: Any,
+    *,
+    dims: int | Sequence[int] | None,
+    keepdim: bool = True,
+    num_outputs: int = 1,
+    follow: Iterable[int] = (),
+    linear: bool = False,
+) -> Any:
+    """An op that works along ``dims`` of its first argument and independently along the rest.
+
+    Covers reductions (``keepdim`` as the op's flag), scans, sorts, order statistics, flips:
+    ``Shard(d)`` with ``d`` outside ``dims`` stays sharded (renumbered when reduced dims are
+    dropped) with no communication; ``Shard(d)`` with ``d`` in ``dims`` and ``Partial()`` are
+    replicated first (``linear=True`` keeps ``Partial()`` for ops linear in the input, such as
+    ``flip`` and ``roll``). ``num_outputs`` outputs (values, indices…) all get the same
+    placements, as they have the same shape.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    ndim = len(tensor_meta(op_schema.args_schema[0]).shape)
+    along = normalize_dims(dims, ndim)
+
+    def rule(p: Any) -> tuple[Any, Any]:
+        if _is_shard(p) and p.dim not in along:
+            out_dim = p.dim if keepdim else p.dim - sum(1 for d in along if d < p.dim)
+            return p, Shard(out_dim)
+        if linear and _is_partial(p):
+            return p, p
+        return Replicate(), Replicate()
+
+    return rule_strategy(op_schema, rule, num_outputs=num_outputs, follow=follow)
+
+
+def uniform_strategy(
+    op_schema: Any,
+    *,
+    num_outputs: int = 1,
+    driver: int = 0,
+    follow: Iterable[int] = (),
+    keep_partial: bool = False,
+    shard_dims: Iterable[int] | None = None,
+) -> Any:
+    """Elementwise in the ``driver`` argument: ``Shard(d)`` stays, outputs shaped like it.
+
+    ``shard_dims`` limits the dims that may stay sharded (others are gathered), e.g. the batch
+    and head dims of attention.
+
+    ``Partial()`` is replicated first unless ``keep_partial`` (ops linear in the input).
+    Arguments in ``follow`` are sharded like the first; the others are replicated.
+    """
+    from torch.distributed.tensor import Replicate
+
+    allowed = None if shard_dims is None else set(shard_dims)
+
+    def rule(p: Any) -> tuple[Any, Any]:
+        if _is_shard(p) and (allowed is None or p.dim in allowed):
+            return p, p
+        if keep_partial and _is_partial(p):
+            return p, p
+        return Replicate(), Replicate()
+
+    return rule_strategy(op_schema, rule, num_outputs=num_outputs, driver=driver, follow=follow)
+
+
+def arg(op_schema: Any, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of the op, passed positionally at ``index`` or as a keyword."""
+    if len(op_schema.args_schema) > index:
+        return op_schema.args_schema[index]
+    return op_schema.kwargs_schema.get(name, default)
+
+
+def schema_info(static_argnum: int = 100, static_kwargkey: Sequence[str] | None = None) -> Any:
+    """A ``RuntimeSchemaInfo``: which non-tensor arguments key the propagation cache."""
+    types = compat.dtensor_types()
+    return types.RuntimeSchemaInfo(
+        static_argnum=static_argnum,
+        static_kwargkey=list(static_kwargkey) if static_kwargkey else None,
+    )

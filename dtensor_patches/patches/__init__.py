@@ -4,8 +4,42 @@ gate, reproducer and upstream references together."""
 from __future__ import annotations
 
 from dtensor_patches.patch import Patch
-from dtensor_patches.patches import alias
+from dtensor_patches.patches import (
+    alias,
+    count_nonzero,
+    data_dependent,
+    fill_tensor,
+    flip_roll,
+    index_put,
+    isin_searchsorted,
+    masked_scatter,
+    mse_loss,
+    order_stats,
+    reductions_2_9,
+    scans,
+    sdpa_cpu,
+    unbind,
+    unfold,
+    var_mean,
+)
 
-BUILTIN_PATCHES: tuple[Patch, ...] = (alias.PATCH,)
+BUILTIN_PATCHES: tuple[Patch, ...] = (
+    alias.PATCH,
+    reductions_2_9.PATCH,
+    unbind.PATCH,
+    count_nonzero.PATCH,
+    mse_loss.PATCH,
+    var_mean.PATCH,
+    scans.PATCH,
+    order_stats.PATCH,
+    flip_roll.PATCH,
+    sdpa_cpu.PATCH,
+    unfold.PATCH,
+    isin_searchsorted.PATCH,
+    fill_tensor.PATCH,
+    index_put.PATCH,
+    masked_scatter.PATCH,
+    data_dependent.PATCH,
+)
 
 __all__ = ["BUILTIN_PATCHES"]

@@ -1,0 +1,61 @@
+"""Order statistics with no sharding strategy on torch 2.9 to 2.11: ``kthvalue``,
+``median(dim)``, ``nanmedian(dim)``, ``mode``.
+
+Trigger: ``torch.kthvalue(x, k, 1)``, ``torch.median(x, 1)`` on a DTensor (robust reward
+statistics, quantile clipping).
+
+Fix: dimwise with two outputs (values, indices): shards on other dims stay, a shard on the
+reduced dim is gathered first, so indices are global. Measured fixed upstream in torch 2.12.
+"""
+
+from __future__ import annotations
+
+import torch
+from packaging.specifiers import SpecifierSet
+
+from dtensor_patches._repro import Case, randn, run_cases
+from dtensor_patches.patch import Patch, Strategy
+from dtensor_patches.patches._dimwise import dims_arg, dimwise, keepdim_arg
+
+
+def _registrations() -> list[Strategy]:
+    return [
+        dimwise(
+            "aten.kthvalue.default",
+            dims=dims_arg(2, default=-1),
+            keepdim=keepdim_arg(3),
+            num_outputs=2,
+        ),
+        dimwise("aten.median.dim", dims=dims_arg(1), keepdim=keepdim_arg(2), num_outputs=2),
+        dimwise("aten.nanmedian.dim", dims=dims_arg(1), keepdim=keepdim_arg(2), num_outputs=2),
+        dimwise(
+            "aten.mode.default", dims=dims_arg(1, default=-1), keepdim=keepdim_arg(2), num_outputs=2
+        ),
+    ]
+
+
+CASES = [
+    Case("kthvalue(x, 2, 1)", lambda x: torch.kthvalue(x, 2, 1), lambda: [randn(4, 6)], ["S1"]),
+    Case(
+        "kthvalue(x, 2, 1)", lambda x: torch.kthvalue(x, 2, 1, True), lambda: [randn(5, 6)], ["S0"]
+    ),
+    Case("median(x, 1)", lambda x: torch.median(x, 1), lambda: [randn(4, 6)], ["S1"]),
+    Case("nanmedian(x, 0)", lambda x: torch.nanmedian(x, 0), lambda: [randn(5, 6)], ["S1"]),
+    Case("mode(x, 1)", lambda x: torch.mode(x, 1), lambda: [randn(4, 6).round()], ["S1"]),
+]
+
+
+def reproduce(mesh: object) -> str | None:
+    """Order statistics along sharded and unsharded dims vs single-device (indices exact)."""
+    return run_cases(mesh, CASES)
+
+
+PATCH = Patch(
+    name="order_stats",
+    summary="strategies for kthvalue, median/nanmedian(dim), mode (torch 2.9 to 2.11)",
+    ops=("aten.kthvalue.default", "aten.median.dim", "aten.nanmedian.dim", "aten.mode.default"),
+    gate=SpecifierSet(">=2.9,<2.12"),
+    registrations=_registrations,
+    reproduce=reproduce,
+    upstream_fix="native strategies from torch 2.12 (measured)",
+)

@@ -1,0 +1,57 @@
+"""``aten.var_mean.correction`` has no sharding strategy on torch 2.9 to 2.11.
+
+Trigger: ``torch.var_mean(x, dim)`` on a DTensor (layer statistics, advantage whitening).
+
+Fix: a dimwise reduction with two outputs (variance, mean), both placed alike: shards on the
+dims not reduced stay sharded, a shard on a reduced dim or a ``Partial`` input is gathered
+first. Measured fixed upstream in torch 2.12.
+"""
+
+from __future__ import annotations
+
+import torch
+from packaging.specifiers import SpecifierSet
+
+from dtensor_patches._repro import Case, randn, run_cases
+from dtensor_patches.patch import Patch, Strategy
+from dtensor_patches.patches._dimwise import dims_arg, dimwise, keepdim_arg
+
+
+def _registrations() -> list[Strategy]:
+    return [
+        dimwise(
+            "aten.var_mean.correction",
+            dims=dims_arg(1),
+            keepdim=keepdim_arg(99),  # keyword-only
+            num_outputs=2,
+            static_kwargkey=("correction", "keepdim"),
+        )
+    ]
+
+
+CASES = [
+    Case("var_mean(x, 1)", lambda x: torch.var_mean(x, 1), lambda: [randn(4, 6)], ["S1"]),
+    Case(
+        "var_mean(x, 1)",
+        lambda x: torch.var_mean(x, 1, keepdim=True),
+        lambda: [randn(5, 6)],
+        ["S0"],
+    ),
+    Case("var_mean(x)", lambda x: torch.var_mean(x, correction=0), lambda: [randn(5, 6)], ["S0"]),
+]
+
+
+def reproduce(mesh: object) -> str | None:
+    """``var_mean`` over sharded and unsharded dims vs single-device results."""
+    return run_cases(mesh, CASES)
+
+
+PATCH = Patch(
+    name="var_mean",
+    summary="strategy for aten.var_mean.correction (torch 2.9 to 2.11)",
+    ops=("aten.var_mean.correction",),
+    gate=SpecifierSet(">=2.9,<2.12"),
+    registrations=_registrations,
+    reproduce=reproduce,
+    upstream_fix="native strategy from torch 2.12 (measured)",
+)
