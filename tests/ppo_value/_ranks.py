@@ -66,6 +66,12 @@ def train_vs_reference(
         "grad_norm_diff": abs(metrics["critic/grad_norm"] - ref_metrics["grad_norm"]),
         "ev_diff": abs(metrics["critic/explained_var"] - ref_metrics["explained_var"]),
         "clip_fraction_diff": abs(metrics["critic/clip_fraction"] - ref_metrics["clip_fraction"]),
+        "stats_diff": max(
+            abs(metrics[f"critic/{k}"] - ref_metrics[k])
+            for k in ("values_mean", "values_min", "values_max", "returns_mean")
+        ),
+        "lr": metrics["critic/lr"],
+        "param_mesh_ndims": sorted({p.device_mesh.ndim for p in worker.model.parameters()}),
         "loss": metrics["critic/loss"],
     }
 

@@ -70,7 +70,12 @@ def reference_train_step(
     res = (r - v.detach())[sel].double()
     rr = r[sel].double()
     ev = 1.0 - res.var(unbiased=False) / rr.var(unbiased=False)
+    valid_v = v.detach()[sel].double()
     return {
+        "values_mean": float(valid_v.mean()),
+        "values_min": float(valid_v.min()),
+        "values_max": float(valid_v.max()),
+        "returns_mean": float(rr.mean()),
         "loss": float(loss.detach()),
         "grad_norm": grad_norm,
         "explained_var": float(ev) if math.isfinite(float(ev)) else math.nan,

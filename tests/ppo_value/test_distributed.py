@@ -95,6 +95,10 @@ def test_train_step_matches_single_process(pool: RankPool, cfg: dict[str, Any], 
         assert r["grad_norm_diff"] < 1e-5
         assert r["ev_diff"] < 1e-6
         assert r["clip_fraction_diff"] < 1e-9
+        assert r["stats_diff"] < 1e-6
+        assert r["lr"] == cfg["lr"]
+        # every parameter is a DTensor on the full (dp, tp) mesh when tp > 1 (design §3)
+        assert r["param_mesh_ndims"] == ([2] if cfg["tp"] > 1 else [1])
     assert len({r["loss"] for r in results}) == 1, "metrics must be identical on every rank"
 
 
