@@ -68,6 +68,8 @@ def save_checkpoint(
     """Collectively save model, optimizer, scheduler, step and RNG to ``path`` atomically.
 
     Every rank must call it. ``meta`` (JSON-serialisable) is stored in ``meta.json``.
+    Saving before the first optimiser step makes ``get_state_dict`` create the optimiser state
+    with a zero-learning-rate step (torch behaviour), so Adam's step count starts at 1.
 
     Returns:
         The absolute checkpoint path.
