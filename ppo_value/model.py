@@ -26,10 +26,32 @@ from ppo_value.config import SUPPORTED_FAMILIES, ValueConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ValueModel", "build_value_model", "init_value_head"]
+__all__ = ["ValueHead", "ValueModel", "build_value_model", "init_value_head"]
 
 #: Config keys that enable dropout in the supported families; forced to 0.
 _DROPOUT_KEYS: tuple[str, ...] = ("attention_dropout", "hidden_dropout", "classifier_dropout")
+
+
+class ValueHead(nn.Linear):
+    """``nn.Linear(H, 1)`` computed as a dot product over the hidden dimension.
+
+    Same parameters and state-dict keys as the ``score`` layer of ``*ForTokenClassification``,
+    but the forward is ``(x * weight).sum(-1, keepdim=True) + bias`` instead of
+    ``F.linear``: a pointwise product and a reduction over ``H`` keep a sequence-sharded
+    ``[B, S, H]`` DTensor sharded without flattening ``[B, S]``. (``F.linear`` views the input
+    as ``[B * S, H]``, which DTensor cannot do for a sharded ``S`` before torch 2.10.)
+    """
+
+    def __init__(self, hidden_size: int, bias: bool = True) -> None:
+        """Args: hidden_size: ``H``; bias: whether the head has a bias."""
+        super().__init__(hidden_size, 1, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` -> ``[..., 1]`` in the parameters' dtype."""
+        out = (x * self.weight).sum(dim=-1, keepdim=True)  # [1, H] broadcasts over [B, S, H]
+        if self.bias is not None:
+            out = out + self.bias
+        return out
 
 
 class ValueModel(nn.Module):
@@ -143,7 +165,10 @@ def build_value_model(cfg: ValueConfig) -> ValueModel:
         std = float(getattr(tc_model.config, "initializer_range", 0.02))
         init_value_head(tc_model.score, seed=cfg.seed, std=std)
         log.info("value head initialised from seed %d (std %.3g)", cfg.seed, std)
-    model = ValueModel(tc_model.model, tc_model.score).float()
+    with torch.random.fork_rng(devices=[]):  # nn.Linear's own init must not use the caller's RNG
+        score = ValueHead(tc_model.score.in_features, bias=tc_model.score.bias is not None)
+    score.load_state_dict(tc_model.score.state_dict())
+    model = ValueModel(tc_model.model, score).float()
     model.config.use_cache = False
     model.eval()  # dropout is 0 anyway; eval() also makes intent explicit
     return model

@@ -133,3 +133,19 @@ def test_right_padding_does_not_change_real_token_values() -> None:
         p_ids, p_mask, seq = pad_for_sequence_parallel(ids, mask, 4)
         padded = model(p_ids, p_mask)[:, :seq]
     torch.testing.assert_close(padded, plain, rtol=0, atol=1e-6)
+
+
+def test_value_head_equals_linear() -> None:
+    from ppo_value.model import ValueHead
+
+    head = ValueHead(8)
+    with torch.no_grad():
+        head.weight.copy_(torch.arange(8.0).view(1, 8) / 10)
+        head.bias.fill_(0.5)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    out = head(x)
+    assert out.shape == (2, 3, 1)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, head.weight, head.bias))
+    # one hand-checked entry: x = ones -> sum(0..7) / 10 + 0.5 = 3.3
+    assert head(torch.ones(1, 1, 8)).item() == pytest.approx(3.3)
+    assert set(head.state_dict()) == {"weight", "bias"}
