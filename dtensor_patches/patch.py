@@ -143,8 +143,10 @@ class Patch:
     def apply(self) -> bool:
         """Install the patch. Returns ``False`` if it was already applied (nothing changes).
 
-        All-or-nothing: on any failure every registry entry of the patch's ops is put back as
-        it was and the caches are cleared, then the error is raised.
+        Ops that torch already supports (a strategy or handler is registered) are left alone,
+        unless ``overrides_existing``. All-or-nothing: on any failure every registry entry of
+        the patch's ops is put back as it was and the caches are cleared, then the error is
+        raised.
 
         Raises:
             PatchError: building or installing a registration failed (torch left untouched).
@@ -153,6 +155,9 @@ class Patch:
             if self._snapshot is not None:
                 return False
             ops = [compat.resolve_op(name) for name in self.ops]
+            # Ops torch already covers are left to torch, unless this patch exists to replace
+            # a wrong upstream strategy.
+            keep_native = set() if self.overrides_existing else set(self.native_ops())
             snap = compat.snapshot(ops)
             try:
                 for registration in self.registrations():
@@ -161,7 +166,8 @@ class Patch:
                             f"patch {self.name!r} registers {registration.op}, "
                             "which is not in its ops list"
                         )
-                    registration.install()
+                    if registration.op not in keep_native:
+                        registration.install()
                 compat.clear_sharding_caches()
             except BaseException as exc:
                 compat.restore(snap)

@@ -82,15 +82,18 @@ def _decide(
         )
     if patch.is_applied:
         return Outcome(patch.name, Status.ALREADY_APPLIED)
-    if not patch.overrides_existing:
-        native = patch.native_ops()
-        if native:
-            return Outcome(
-                patch.name,
-                Status.SKIPPED_NATIVE,
-                f"torch already has a strategy/handler for {', '.join(native)}",
-            )
+    if not patch.overrides_existing and len(patch.native_ops()) == len(patch.ops):
+        return Outcome(
+            patch.name,
+            Status.SKIPPED_NATIVE,
+            f"torch already has a strategy/handler for {', '.join(patch.ops)}",
+        )
     return None
+
+
+def _applied_reason(patch: Patch) -> str:
+    native = [] if patch.overrides_existing else patch.native_ops()
+    return f"left to torch: {', '.join(native)}" if native else ""
 
 
 def _validate_selection(only: Collection[str] | None, exclude: Collection[str]) -> None:
@@ -115,7 +118,9 @@ def plan(*, only: Collection[str] | None = None, exclude: Collection[str] = ()) 
                 decided = _decide(patch, only, exclude, disabled)
             except PatchError as exc:
                 decided = Outcome(patch.name, Status.FAILED, str(exc))
-            outcomes.append(decided or Outcome(patch.name, Status.WOULD_APPLY))
+            outcomes.append(
+                decided or Outcome(patch.name, Status.WOULD_APPLY, _applied_reason(patch))
+            )
     return Report(str(compat.torch_version()), tuple(outcomes))
 
 
@@ -153,10 +158,11 @@ def apply_all(
             try:
                 decided = _decide(patch, only, exclude, disabled)
                 if decided is None:
+                    reason = _applied_reason(patch)
                     patch.apply()
                     newly_applied.append(patch)
                     _applied_order.append(patch)
-                    decided = Outcome(patch.name, Status.APPLIED)
+                    decided = Outcome(patch.name, Status.APPLIED, reason)
             except PatchError as exc:
                 log.error("dtensor_patches: %s failed: %s", patch.name, exc)
                 decided = Outcome(patch.name, Status.FAILED, str(exc))

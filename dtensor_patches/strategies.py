@@ -26,8 +26,10 @@ __all__ = [
     "PlacementRule",
     "arg",
     "dimwise_strategy",
+    "evenly_sharded",
     "follow_input_strategy",
     "normalize_dims",
+    "pointwise_strategy",
     "redistribute_cost",
     "replicate_strategy",
     "rule_strategy",
@@ -254,3 +256,59 @@ def schema_info(static_argnum: int = 100, static_kwargkey: Sequence[str] | None 
         static_argnum=static_argnum,
         static_kwargkey=list(static_kwargkey) if static_kwargkey else None,
     )
+
+
+def pointwise_strategy(op_schema: Any, *, driver: int = 0) -> Any:
+    """Elementwise ops with broadcasting, output shaped like the ``driver`` argument.
+
+    ``Shard(d)`` of the driver stays sharded with no communication; every other tensor argument
+    is sharded on the dim aligned with ``d`` from the right, or replicated where it broadcasts
+    along ``d`` (size 1 or missing). ``Partial()`` and any other placement are replicated first
+    (the ops here are not linear). In-place variants keep the driver's placements, as required.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    types = compat.dtensor_types()
+    tensors = _tensor_args(op_schema)
+    by_position = dict(tensors)
+    if driver not in by_position:
+        raise PatchError(f"{op_schema.op}: expected a tensor argument at position {driver}")
+    driver_ndim = len(tensor_meta(by_position[driver]).shape)
+    specs = []
+    for candidate in (s.output_spec for s in by_position[driver].strategies):
+        own = [p if _is_shard(p) else Replicate() for p in candidate.placements]
+        input_specs, costs = [], []
+        for position, strategy in tensors:
+            template = strategy.strategies[0].output_spec
+            shape = tensor_meta(strategy).shape
+            placements = []
+            for p in own:
+                aligned = p.dim - (driver_ndim - len(shape)) if _is_shard(p) else -1
+                if _is_shard(p) and aligned >= 0 and int(shape[aligned]) != 1:
+                    placements.append(Shard(aligned))
+                else:
+                    placements.append(Replicate())
+            wanted = _spec(template, own if position == driver else placements)
+            input_specs.append(wanted)
+            costs.append([redistribute_cost(s.output_spec, wanted) for s in strategy.strategies])
+        specs.append(
+            types.OpSpec(
+                output_specs=_spec(candidate, own),
+                input_specs=tuple(input_specs),
+                redistribute_cost=costs,
+            )
+        )
+    return types.OpStrategy(specs)
+
+
+def evenly_sharded(spec: Any, dim: int) -> bool:
+    """Whether every rank holds the same number of elements along tensor ``dim`` under ``spec``.
+
+    True when the product of the mesh sizes that shard ``dim`` divides its size, so that
+    per-rank averages along ``dim`` weigh equally.
+    """
+    ways = 1
+    for mesh_dim, p in enumerate(spec.placements):
+        if _is_shard(p) and p.dim == dim:
+            ways *= spec.mesh.size(mesh_dim)
+    return int(spec.tensor_meta.shape[dim]) % ways == 0

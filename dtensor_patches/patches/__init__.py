@@ -13,8 +13,10 @@ from dtensor_patches.patches import (
     index_put,
     isin_searchsorted,
     masked_scatter,
+    mean_uneven,
     mse_loss,
     order_stats,
+    pointwise_gaps,
     reductions_2_9,
     scans,
     sdpa_cpu,
@@ -35,11 +37,13 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     flip_roll.PATCH,
     sdpa_cpu.PATCH,
     unfold.PATCH,
+    pointwise_gaps.PATCH,
     isin_searchsorted.PATCH,
     fill_tensor.PATCH,
     index_put.PATCH,
     masked_scatter.PATCH,
     data_dependent.PATCH,
+    mean_uneven.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
