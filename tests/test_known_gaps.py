@@ -25,5 +25,5 @@ def _cumprod_backward() -> None:
 def test_cumprod_gradient_mixes_plain_tensors(pool2: RankPool) -> None:
     # Autograd's cumprod backward (FunctionsManual.cpp) builds plain tensors and feeds them to
     # DTensor ops (aten.cat on 2.9, aten.where on 2.13): no sharding strategy can intercept it.
-    with pytest.raises(RankError, match="mixed torch.Tensor and DTensor"):
+    with pytest.raises(RankError, match=r"mixed torch\.Tensor and DTensor"):
         pool2.run(_cumprod_backward)
