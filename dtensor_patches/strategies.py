@@ -117,13 +117,15 @@ def rule_strategy(
     num_outputs: int = 1,
     driver: int = 0,
     follow: Iterable[int] = (),
+    tuple_output: bool = False,
 ) -> Any:
     """One ``OpSpec`` per candidate placement of the tensor argument at position ``driver``.
 
     ``rule`` maps each of its placements (one per mesh dim) to the placement the op needs and
     the output placement. Tensor arguments at positions in ``follow`` take the driver's input
     placements (same shape, e.g. ``mse_loss``'s target); every other tensor argument is
-    replicated. ``num_outputs`` outputs all get the same placements.
+    replicated. ``num_outputs`` outputs all get the same placements; ``tuple_output`` for ops
+    returning a list (``unbind``), whose output specs are a tuple even of length 0 or 1.
 
     Raises:
         PatchError: the argument at ``driver`` is not a tensor.
@@ -153,7 +155,9 @@ def rule_strategy(
             costs.append([redistribute_cost(s.output_spec, wanted) for s in strategy.strategies])
         out = _spec(candidate, out_placements)
         output_specs = (
-            out if num_outputs == 1 else tuple(copy.copy(out) for _ in range(num_outputs))
+            out
+            if num_outputs == 1 and not tuple_output
+            else tuple(copy.copy(out) for _ in range(num_outputs))
         )
         specs.append(
             types.OpSpec(
@@ -185,6 +189,7 @@ def dimwise_strategy(
     num_outputs: int = 1,
     follow: Iterable[int] = (),
     linear: bool = False,
+    tuple_output: bool = False,
 ) -> Any:
     """An op that works along ``dims`` of its first argument and independently along the rest.
 
@@ -208,7 +213,9 @@ def dimwise_strategy(
             return p, p
         return Replicate(), Replicate()
 
-    return rule_strategy(op_schema, rule, num_outputs=num_outputs, follow=follow)
+    return rule_strategy(
+        op_schema, rule, num_outputs=num_outputs, follow=follow, tuple_output=tuple_output
+    )
 
 
 def uniform_strategy(

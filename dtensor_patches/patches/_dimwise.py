@@ -28,6 +28,7 @@ def dimwise(
     keepdim: bool | Callable[[Any], bool] = True,
     num_outputs: int | Callable[[Any], int] = 1,
     linear: bool = False,
+    tuple_output: bool = False,
     static_argnum: int = 1,
     static_kwargkey: Sequence[str] | None = None,
 ) -> Strategy:
@@ -44,6 +45,7 @@ def dimwise(
             keepdim=keepdim(op_schema) if callable(keepdim) else keepdim,
             num_outputs=num_outputs(op_schema) if callable(num_outputs) else num_outputs,
             linear=linear,
+            tuple_output=tuple_output,
         )
 
     return Strategy(op, strategy, schema_info(static_argnum, static_kwargkey))

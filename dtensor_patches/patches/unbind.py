@@ -33,6 +33,7 @@ def _registrations() -> list[Strategy]:
             dims=dims_arg(1, default=0),
             keepdim=False,
             num_outputs=_num_outputs,
+            tuple_output=True,
         )
     ]
 
@@ -43,6 +44,7 @@ def _registrations() -> list[Strategy]:
 CASES = [
     Case("x.unbind(1)", lambda x: torch.stack(x.unbind(1)), lambda: [randn(4, 6)], ["S0"]),
     Case("x.unbind(0)", lambda x: x.unbind(0), lambda: [randn(3, 4, 6)], ["S2"]),
+    Case("x.unbind(1) one output", lambda x: x.unbind(1), lambda: [randn(4, 1)], ["S0"]),
 ]
 
 
