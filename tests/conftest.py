@@ -19,12 +19,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(scope="session")
 def pool2() -> Iterator[RankPool]:
     """Two spawned ranks with a gloo process group, shared by every test that needs one."""
-    with RankPool(2) as pool:
+    with RankPool(2, timeout=300) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
 def pool4() -> Iterator[RankPool]:
     """Four spawned ranks (1-D mesh of 4, or 2x2), shared by every test that needs one."""
-    with RankPool(4) as pool:
+    with RankPool(4, timeout=300) as pool:
         yield pool

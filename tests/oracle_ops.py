@@ -26,8 +26,8 @@ class OracleOp:
     linear: bool = False
     differentiable: bool = False
     needs_nonempty: bool = False
-    # Combinations torch refuses on purpose on some releases (placement, params, ndim) -> bool.
-    refused: Callable[[str, dict[str, Any], int], bool] | None = None
+    # Combinations torch refuses on purpose on some releases (placement, params, shape) -> bool.
+    refused: Callable[[str, dict[str, Any], tuple[int, ...]], bool] | None = None
 
 
 def _like(x: Any, table: torch.Tensor) -> Any:
@@ -48,14 +48,58 @@ def _all(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
     return tuple(range(ndim))
 
 
-def _unbind_refused(placement: str, p: dict[str, Any], ndim: int) -> bool:
+def _sharded_dim(placement: str) -> int | None:
+    return int(placement[1:]) if placement.startswith("S") else None
+
+
+def _unbind_refused(placement: str, p: dict[str, Any], shape: tuple[int, ...]) -> bool:
+    """From 2.10 torch refuses to unbind along a sharded dim (a clear error)."""
     from dtensor_patches.compat import torch_release
 
-    sharded_dim = int(placement[1:]) if placement.startswith("S") else None
-    return torch_release().minor >= 10 and sharded_dim == p["dim"] % ndim
+    return torch_release().minor >= 10 and _sharded_dim(placement) == p["dim"] % len(shape)
+
+
+def _squeeze_refused(placement: str, p: dict[str, Any], shape: tuple[int, ...]) -> bool:
+    """From 2.12 torch refuses to squeeze a sharded size-1 dim (a clear error)."""
+    from dtensor_patches.compat import torch_release
+
+    dim = _sharded_dim(placement)
+    return torch_release().minor >= 12 and dim is not None and shape[dim] == 1
 
 
 ORACLE: dict[str, OracleOp] = {
+    "max_dim": OracleOp(
+        "max_min_indices",
+        lambda x, p: torch.max(x, p["dim"], keepdim=p["keepdim"]),
+        _dim,
+        keepdim=lambda p: p["keepdim"],
+        dtypes=("float32", "int64"),
+        needs_nonempty=True,
+    ),
+    "mean": OracleOp(
+        "mean_uneven",
+        lambda x, p: x.mean(p["dim"], keepdim=p["keepdim"]),
+        None,
+        differentiable=True,
+        linear=True,
+    ),
+    # Non-empty: squeezing tensors with size-0 sharded dims raises or mislabels the output on
+    # 2.13 (a separate gap, noted in the README).
+    "squeeze": OracleOp(
+        "squeeze",
+        lambda x, p: x.squeeze() if p["keepdim"] else x.squeeze(p["dim"]),
+        None,
+        dtypes=("float32", "int64"),
+        differentiable=True,
+        needs_nonempty=True,
+        refused=_squeeze_refused,
+    ),
+    "masked_fill": OracleOp(
+        "pointwise_gaps",
+        lambda x, p: x.masked_fill(x > 0.5, torch.tensor(-1.0)),
+        None,
+        differentiable=True,
+    ),
     "argmax": OracleOp(
         "reductions_2_9",
         lambda x, p: x.argmax(p["dim"], keepdim=p["keepdim"]),

@@ -139,7 +139,7 @@ def examples(draw: st.DrawFn, op_name: str, mesh_shape: tuple[int, ...]) -> dict
         "reduction": draw(st.sampled_from(["none", "mean", "sum"])),
     }
     if op.refused is not None:
-        assume(not any(op.refused(p, params, ndim) for p in placements))
+        assume(not any(op.refused(p, params, shape) for p in placements))
     if op_name == "unfold":
         assume(shape[params["dim"] % ndim] >= 1 + params["shift"] % 2)
     seed = draw(st.integers(0, 2**16))

@@ -13,6 +13,7 @@ from dtensor_patches.patches import (
     index_put,
     isin_searchsorted,
     masked_scatter,
+    max_min_indices,
     mean_uneven,
     mse_loss,
     order_stats,
@@ -20,6 +21,7 @@ from dtensor_patches.patches import (
     reductions_2_9,
     scans,
     sdpa_cpu,
+    squeeze,
     unbind,
     unfold,
     var_mean,
@@ -44,6 +46,8 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     masked_scatter.PATCH,
     data_dependent.PATCH,
     mean_uneven.PATCH,
+    max_min_indices.PATCH,
+    squeeze.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
