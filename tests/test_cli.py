@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dtensor_patches import get
+from dtensor_patches import all_patches, get
 from dtensor_patches.cli import main, parse_gate_overrides
 
 pytest_plugins = ["pytester"]
@@ -71,7 +71,17 @@ def test_doctor_runs_tripwires_as_a_subprocess() -> None:
 def test_check_exit_code_follows_tripwire() -> None:
     wrong = "alias=<2.9" if get("alias").applies_to() else "alias=>=2.9"
     proc = subprocess.run(
-        [sys.executable, "-m", "dtensor_patches", "check", "--json", "--gate", wrong],
+        [
+            sys.executable,
+            "-m",
+            "dtensor_patches",
+            "check",
+            "--json",
+            "--only",
+            "alias",
+            "--gate",
+            wrong,
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -86,11 +96,12 @@ def test_pytest_plugin_off_by_default_and_trips_when_on(pytester: pytest.Pyteste
     pytester.makepyfile(test_downstream="def test_nothing():\n    assert True\n")
     off = pytester.runpytest_subprocess("-q")
     off.assert_outcomes(passed=1)
+    patches = len(all_patches())
     on = pytester.runpytest_subprocess("-q", "--dtensor-patches-check")
-    on.assert_outcomes(passed=2)
+    on.assert_outcomes(passed=1 + patches)
     wrong = "alias=<2.9" if get("alias").applies_to() else "alias=>=2.9"
     tripped = pytester.runpytest_subprocess(
         "-q", "--dtensor-patches-check", f"--dtensor-patches-gate={wrong}"
     )
-    tripped.assert_outcomes(passed=1, failed=1)
+    tripped.assert_outcomes(passed=patches, failed=1)
     tripped.stdout.fnmatch_lines(["*dtensor-patches tripwire: alias: *"])

@@ -1,11 +1,11 @@
-"""``aten.fill_.Tensor`` has no sharding strategy on torch 2.9 to 2.14.
+"""``aten.fill_.Tensor`` has no sharding strategy on torch 2.9 to 2.15.
 
 Trigger: ``x[:, 0] = 1.0`` (and ``x.fill_(t)`` with a 0-d tensor) on a DTensor: ATen fills the
 selected view with a 0-d tensor value, e.g. masking the first position of every sequence.
 
 Fix: a fill writes the same value everywhere, so the tensor keeps its ``Shard``/``Replicate``
-placements with no communication and the 0-d value is replicated. Measured fixed upstream in
-torch 2.15.
+placements with no communication and the 0-d value is replicated. On 2.15 ``x[:, 0] = 1.0``
+works without the patch (torch routes it differently), but ``x.fill_(t)`` still fails.
 """
 
 from __future__ import annotations
@@ -50,10 +50,9 @@ def reproduce(mesh: object) -> str | None:
 
 PATCH = Patch(
     name="fill_tensor",
-    summary="strategy for aten.fill_.Tensor (x[:, 0] = 1.0) (torch 2.9 to 2.14)",
+    summary="strategy for aten.fill_.Tensor (x[:, 0] = 1.0, x.fill_(t)) (torch 2.9 to 2.15)",
     ops=("aten.fill_.Tensor", "aten.fill.Tensor"),
-    gate=SpecifierSet(">=2.9,<2.15"),
+    gate=SpecifierSet(">=2.9"),
     registrations=_registrations,
     reproduce=reproduce,
-    upstream_fix="native strategy in torch 2.15 (measured)",
 )
