@@ -26,5 +26,5 @@ def pool2() -> Iterator[RankPool]:
 @pytest.fixture(scope="session")
 def pool4() -> Iterator[RankPool]:
     """Four spawned ranks (1-D mesh of 4, or 2x2), shared by every test that needs one."""
-    with RankPool(4, timeout=300) as pool:
+    with RankPool(4, timeout=120) as pool:
         yield pool
