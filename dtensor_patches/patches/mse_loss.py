@@ -32,7 +32,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._repro import Case, randn, run_cases
 from dtensor_patches.patch import Patch, Strategy
-from dtensor_patches.strategies import arg, rule_strategy, schema_info, tensor_meta
+from dtensor_patches.strategies import arg, evenly_sharded, rule_strategy, schema_info
 
 _NONE, _MEAN, _SUM = 0, 1, 2
 
@@ -43,21 +43,13 @@ def _is_plain_shard(p: Any) -> bool:
     return type(p) is Shard
 
 
-def _evenly_sharded(placements: Any, shape: Any, mesh: Any) -> bool:
-    for mesh_dim, p in enumerate(placements):
-        if _is_plain_shard(p) and int(shape[p.dim]) % mesh.size(mesh_dim) != 0:
-            return False
-    sharded = [p.dim for p in placements if _is_plain_shard(p)]
-    return len(sharded) == len(set(sharded))
-
-
 def _forward(op_schema: Any) -> Any:
     from torch.distributed.tensor import Partial, Replicate
 
     reduction = arg(op_schema, 2, "reduction", _MEAN)
     src = op_schema.args_schema[0]
     spec = src.strategies[0].output_spec
-    even = _evenly_sharded(spec.placements, tensor_meta(src).shape, spec.mesh)
+    even = all(evenly_sharded(spec, p.dim) for p in spec.placements if _is_plain_shard(p))
 
     def rule(p: Any) -> tuple[Any, Any]:
         if not _is_plain_shard(p):
