@@ -741,6 +741,16 @@ def sweep_ops(keys: Sequence[str], options: Options) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 
+def _whole_op_rows(
+    key: str, name: str, placements: Any, outcome: str, **fields: Any
+) -> list[dict[str, Any]]:
+    """One row per placement for an op whose whole sweep ended in ``outcome`` (timeout, crash)."""
+    return [
+        dataclasses.asdict(Row(key, "function", p, outcome, name=name, **fields))
+        for p in placements
+    ]
+
+
 def run_sweep(
     *,
     world_size: int = 2,
@@ -785,37 +795,29 @@ def run_sweep(
                 pool.close()
                 pool = None
                 rows.extend(
-                    dataclasses.asdict(
-                        Row(
-                            key,
-                            "function",
-                            p,
-                            "timeout",
-                            name=names[key],
-                            error=f"no answer in {op_timeout:.0f} s",
-                        )
+                    _whole_op_rows(
+                        key,
+                        names[key],
+                        options.placements,
+                        "timeout",
+                        error=f"no answer in {op_timeout:.0f} s",
                     )
-                    for p in options.placements
                 )
             except Exception as exc:  # noqa: BLE001 - a crashed rank is the op's recorded result
                 log.warning("%s: ranks failed: %s", key, _first_line(exc))
                 pool.close()
                 pool = None
                 rows.extend(
-                    dataclasses.asdict(
-                        Row(
-                            key,
-                            "function",
-                            p,
-                            "crash",
-                            error_type=type(exc).__name__,
-                            error="a rank process died or failed outside a sample (e.g. gloo "
-                            "aborted on a collective mismatch between ranks); see the log: "
-                            + _first_line(exc),
-                            name=names[key],
-                        )
+                    _whole_op_rows(
+                        key,
+                        names[key],
+                        options.placements,
+                        "crash",
+                        error_type=type(exc).__name__,
+                        error="a rank process died or failed outside a sample (e.g. gloo "
+                        "aborted on a collective mismatch between ranks); see the log: "
+                        + _first_line(exc),
                     )
-                    for p in options.placements
                 )
             log.info("[%d/%d] %s (%.1f s)", n, len(todo), key, time.perf_counter() - t0)
     finally:
