@@ -28,6 +28,7 @@ __all__ = [
     "dimwise_strategy",
     "evenly_sharded",
     "follow_input_strategy",
+    "is_shard",
     "normalize_dims",
     "pointwise_strategy",
     "redistribute_cost",
@@ -90,8 +91,8 @@ def _spec(template: Any, placements: Sequence[Any]) -> Any:
     )
 
 
-def _is_shard(placement: Any) -> bool:
-    # Exactly Shard: _StridedShard (a subclass) encodes an order we do not reason about here.
+def is_shard(placement: Any) -> bool:
+    """Exactly ``Shard(d)``: ``_StridedShard`` (a subclass) encodes an order not reasoned about here."""
     from torch.distributed.tensor import Shard
 
     return type(placement) is Shard
@@ -206,7 +207,7 @@ def dimwise_strategy(
     along = normalize_dims(dims, ndim)
 
     def rule(p: Any) -> tuple[Any, Any]:
-        if _is_shard(p) and p.dim not in along:
+        if is_shard(p) and p.dim not in along:
             out_dim = p.dim if keepdim else p.dim - sum(1 for d in along if d < p.dim)
             return p, Shard(out_dim)
         if linear and _is_partial(p):
@@ -240,7 +241,7 @@ def uniform_strategy(
     allowed = None if shard_dims is None else set(shard_dims)
 
     def rule(p: Any) -> tuple[Any, Any]:
-        if _is_shard(p) and (allowed is None or p.dim in allowed):
+        if is_shard(p) and (allowed is None or p.dim in allowed):
             return p, p
         if keep_partial and _is_partial(p):
             return p, p
@@ -283,15 +284,15 @@ def pointwise_strategy(op_schema: Any, *, driver: int = 0) -> Any:
     driver_ndim = len(tensor_meta(by_position[driver]).shape)
     specs = []
     for candidate in (s.output_spec for s in by_position[driver].strategies):
-        own = [p if _is_shard(p) else Replicate() for p in candidate.placements]
+        own = [p if is_shard(p) else Replicate() for p in candidate.placements]
         input_specs, costs = [], []
         for position, strategy in tensors:
             template = strategy.strategies[0].output_spec
             shape = tensor_meta(strategy).shape
             placements = []
             for p in own:
-                aligned = p.dim - (driver_ndim - len(shape)) if _is_shard(p) else -1
-                if _is_shard(p) and aligned >= 0 and int(shape[aligned]) != 1:
+                aligned = p.dim - (driver_ndim - len(shape)) if is_shard(p) else -1
+                if is_shard(p) and aligned >= 0 and int(shape[aligned]) != 1:
                     placements.append(Shard(aligned))
                 else:
                     placements.append(Replicate())
@@ -316,6 +317,6 @@ def evenly_sharded(spec: Any, dim: int) -> bool:
     """
     ways = 1
     for mesh_dim, p in enumerate(spec.placements):
-        if _is_shard(p) and p.dim == dim:
+        if is_shard(p) and p.dim == dim:
             ways *= spec.mesh.size(mesh_dim)
     return int(spec.tensor_meta.shape[dim]) % ways == 0

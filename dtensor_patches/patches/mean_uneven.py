@@ -22,6 +22,7 @@ from dtensor_patches.patch import Patch, Strategy
 from dtensor_patches.strategies import (
     arg,
     evenly_sharded,
+    is_shard,
     normalize_dims,
     rule_strategy,
     schema_info,
@@ -39,10 +40,10 @@ def _mean_strategy(op_schema: Any) -> Any:
     keepdim = bool(arg(op_schema, 2, "keepdim", False))
 
     def rule(p: Any) -> tuple[Any, Any]:
-        if type(p) is Shard and p.dim not in along:
+        if is_shard(p) and p.dim not in along:
             out_dim = p.dim if keepdim else p.dim - sum(1 for d in along if d < p.dim)
             return p, Shard(out_dim)
-        if type(p) is Shard and evenly_sharded(spec, p.dim):
+        if is_shard(p) and evenly_sharded(spec, p.dim):
             return p, Partial("avg")
         if isinstance(p, Partial) and p.reduce_op == "sum":
             return p, p

@@ -32,15 +32,9 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._repro import Case, randn, run_cases
 from dtensor_patches.patch import Patch, Strategy
-from dtensor_patches.strategies import arg, evenly_sharded, rule_strategy, schema_info
+from dtensor_patches.strategies import arg, evenly_sharded, is_shard, rule_strategy, schema_info
 
 _NONE, _MEAN, _SUM = 0, 1, 2
-
-
-def _is_plain_shard(p: Any) -> bool:
-    from torch.distributed.tensor import Shard
-
-    return type(p) is Shard
 
 
 def _forward(op_schema: Any) -> Any:
@@ -49,10 +43,10 @@ def _forward(op_schema: Any) -> Any:
     reduction = arg(op_schema, 2, "reduction", _MEAN)
     src = op_schema.args_schema[0]
     spec = src.strategies[0].output_spec
-    even = all(evenly_sharded(spec, p.dim) for p in spec.placements if _is_plain_shard(p))
+    even = all(evenly_sharded(spec, p.dim) for p in spec.placements if is_shard(p))
 
     def rule(p: Any) -> tuple[Any, Any]:
-        if not _is_plain_shard(p):
+        if not is_shard(p):
             return Replicate(), Replicate()
         if reduction == _NONE:
             return p, p
@@ -69,7 +63,7 @@ def _backward(op_schema: Any) -> Any:
     reduction = arg(op_schema, 3, "reduction", _MEAN)
 
     def rule(p: Any) -> tuple[Any, Any]:
-        if _is_plain_shard(p) and reduction != _MEAN:
+        if is_shard(p) and reduction != _MEAN:
             return p, p
         return Replicate(), Replicate()
 

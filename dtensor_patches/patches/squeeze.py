@@ -22,7 +22,7 @@ from packaging.specifiers import SpecifierSet
 from dtensor_patches import compat
 from dtensor_patches._repro import Case, randn, run_cases
 from dtensor_patches.patch import Handler, Patch
-from dtensor_patches.strategies import normalize_dims
+from dtensor_patches.strategies import is_shard, normalize_dims
 
 
 def _squeeze(op_call: Any, args: Any, kwargs: Any) -> Any:
@@ -33,14 +33,13 @@ def _squeeze(op_call: Any, args: Any, kwargs: Any) -> Any:
     requested = range(ndim) if len(args) < 2 else normalize_dims(args[1], ndim)
     drop = [d for d in requested if ndim > 0 and x.shape[d] == 1]
     placements = list(x.placements)
-    if any(type(p) is Shard and p.dim in drop for p in placements):
-        placements = [Replicate() if type(p) is Shard and p.dim in drop else p for p in placements]
+    if any(is_shard(p) and p.dim in drop for p in placements):
+        placements = [Replicate() if is_shard(p) and p.dim in drop else p for p in placements]
         x = x.redistribute(x.device_mesh, placements)
     local = compat.local_tensor(x)
     out_local = local.squeeze(tuple(drop)) if drop else local.view(local.shape)
     out_placements = [
-        Shard(p.dim - sum(1 for d in drop if d < p.dim)) if type(p) is Shard else p
-        for p in placements
+        Shard(p.dim - sum(1 for d in drop if d < p.dim)) if is_shard(p) else p for p in placements
     ]
     shape = torch.Size(s for d, s in enumerate(x.shape) if d not in drop)
     return DTensor.from_local(
