@@ -13,7 +13,7 @@ installed torch no longer has a bug a patch is gated for.
 
 from __future__ import annotations
 
-from dtensor_patches.errors import PatchError
+from dtensor_patches.errors import LostWriteError, PatchError
 from dtensor_patches.patch import Handler, Patch, Strategy
 from dtensor_patches.registry import (
     DISABLE_ENV,
@@ -31,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DISABLE_ENV",
     "Handler",
+    "LostWriteError",
     "Outcome",
     "Patch",
     "PatchError",

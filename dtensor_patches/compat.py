@@ -21,6 +21,7 @@ project; the supported range here is torch 2.9 to 2.15:
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -36,6 +37,7 @@ __all__ = [
     "RegistrySnapshot",
     "clear_sharding_caches",
     "custom_op_handlers",
+    "dispatch_natively",
     "dtensor_types",
     "has_native_handler",
     "has_native_strategy",
@@ -45,10 +47,13 @@ __all__ = [
     "registry_state",
     "resolve_op",
     "restore",
+    "set_placements",
     "sharding_propagator",
+    "shares_storage",
     "snapshot",
     "torch_release",
     "torch_version",
+    "view_geometry_is_global",
 ]
 
 _MISSING = object()
@@ -304,3 +309,66 @@ def local_tensor(dtensor: Any) -> torch.Tensor:
         PatchError: the attribute moved.
     """
     return _attr(dtensor, "_local_tensor", "DTensor._local_tensor")
+
+
+# Serialises dispatch_natively: while one thread has an op's handler lifted, no other thread
+# lifts or restores that table entry.
+_NATIVE_DISPATCH_LOCK = threading.RLock()
+
+
+def dispatch_natively(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """Run ``op_call`` through DTensor's own dispatch, bypassing its custom handler.
+
+    torch has no public way for a custom handler to hand a call back to normal sharding
+    propagation, so the handler is lifted from ``OpDispatcher._custom_op_handlers`` for the
+    duration of the call and put back afterwards (under a lock). A call of the same op from
+    *another* thread inside that window also takes the native path; handlers that use this
+    must therefore only add checks on top of correct native behaviour, never be required for
+    correctness of ordinary calls.
+
+    Raises:
+        PatchError: the handler table moved.
+        Whatever the native dispatch raises.
+    """
+    table = custom_op_handlers()
+    with _NATIVE_DISPATCH_LOCK:
+        handler = table.pop(op_call, _MISSING)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            if handler is not _MISSING:
+                table[op_call] = handler
+
+
+def set_placements(dtensor: Any, placements: Iterable[Any]) -> None:
+    """Relabel ``dtensor`` in place with ``placements`` (same mesh, same global shape).
+
+    Only for relabels that keep the local tensor's shape (``Partial`` -> ``Replicate`` once
+    the local tensor holds the reduced value). Writes ``DTensor._spec``.
+
+    Raises:
+        PatchError: ``DTensor._spec`` or ``DTensorSpec`` moved.
+    """
+    spec = _attr(dtensor, "_spec", "DTensor._spec")
+    spec_class = dtensor_types().DTensorSpec
+    dtensor._spec = spec_class(
+        spec.mesh,
+        tuple(placements),
+        tensor_meta=_attr(spec, "tensor_meta", "DTensorSpec.tensor_meta"),
+    )
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two plain tensors are views of one storage (identity, so empty tensors too)."""
+    is_alias_of = _attr(torch._C, "_is_alias_of", "torch._C._is_alias_of")
+    return bool(is_alias_of(a, b))
+
+
+def view_geometry_is_global() -> bool:
+    """Whether a DTensor view's ``stride()``/``storage_offset()`` describe its place in the
+    global base tensor.
+
+    Measured: from 2.10 the wrapper carries the global offset (``x[1:3]`` of a 4x6 base has
+    offset 6); on 2.9 every DTensor view reports offset 0.
+    """
+    return torch_release() >= Version("2.10")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PatchError"]
+__all__ = ["LostWriteError", "PatchError"]
 
 
 class PatchError(RuntimeError):
@@ -17,3 +17,11 @@ class PatchError(RuntimeError):
     def __init__(self, message: str, *, internal: str | None = None) -> None:
         super().__init__(message)
         self.internal = internal
+
+
+class LostWriteError(RuntimeError):
+    """An in-place write into a view of a sharded DTensor cannot be carried to its base.
+
+    Raised by the ``inplace_writes`` patch instead of letting the write land in a temporary
+    (what stock DTensor does when a view of a sharded dim had to be redistributed first).
+    """
