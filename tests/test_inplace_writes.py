@@ -106,13 +106,12 @@ def _view_case(
     view: tuple[str, int, int, int],
     seed: int,
 ) -> dict[str, Any]:
+    from packaging.version import Version
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
     import dtensor_patches
     from dtensor_patches._repro import parse_placement
-    from packaging.version import Version
-
     from dtensor_patches.compat import torch_release, view_geometry_is_global
     from dtensor_patches.errors import LostWriteError
 
