@@ -10,6 +10,11 @@ position: the training and value paths), which has no sharding strategy there
 (pytorch/pytorch#170427). ``logits_to_keep=1`` slices part of the sharded dim and runs on
 stock 2.9 too.
 
+Sequence parallelism shards the sequence dim evenly or not at all: an odd length on TP=2 aborts
+the forward in a gloo collective. :func:`pad_for_sequence_parallel` right-pads the batch to a
+multiple of the TP degree; under causal attention the real positions' logits do not depend on
+the padding, which is trimmed off again (``--seq-len 7`` exercises it).
+
 Usage::
 
     python examples/qwen2_tp_sp_logits.py               # apply_all(), compare with single device
@@ -33,6 +38,7 @@ from dtensor_patches.testing import RankPool
 
 SEQ_LEN = 8
 BATCH = 2
+PAD_TOKEN_ID = 0
 
 
 def tiny_qwen2_config() -> Any:
@@ -96,12 +102,37 @@ def tp_sp_plan() -> dict[str, Any]:
     return plan
 
 
-def _forward(model: Any, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+def pad_for_sequence_parallel(
+    input_ids: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Right-pad ``[B, S]`` int64 ids to a length divisible by ``multiple`` (the TP degree).
+
+    Returns ``(ids [B, S'], attention_mask [B, S'] int64 with 0 on padding, pad)`` where
+    ``pad = S' - S``. Causal attention keeps the first ``S`` positions' outputs independent of
+    the padding, so trimming ``pad`` positions off the end restores the unpadded result.
+    """
+    pad = (-input_ids.shape[1]) % multiple
+    mask = torch.ones_like(input_ids)
+    if pad:
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=PAD_TOKEN_ID)
+        mask = torch.nn.functional.pad(mask, (0, pad), value=0)
+    return input_ids, mask, pad
+
+
+def _forward(model: Any, input_ids: torch.Tensor, logits_to_keep: int, tp: int = 1) -> torch.Tensor:
+    """Logits ``[B, K, vocab]`` for the last ``logits_to_keep`` real positions (0: all of them).
+
+    With ``tp > 1`` the batch is padded for SP and the padding trimmed from the logits; the
+    kept window is widened by the padding so that it still ends at the last real position.
+    """
+    ids, mask, pad = pad_for_sequence_parallel(input_ids, tp)
+    keep = logits_to_keep + pad if logits_to_keep else 0
     with torch.no_grad():
-        return model(input_ids=input_ids, logits_to_keep=logits_to_keep).logits
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+    return logits[:, : logits.shape[1] - pad] if pad else logits
 
 
-def run_rank(use_patches: bool, keeps: list[int]) -> dict[str, Any]:
+def run_rank(use_patches: bool, keeps: list[int], seq_len: int = SEQ_LEN) -> dict[str, Any]:
     """On every rank: build, parallelise, run each ``logits_to_keep``; return diffs or errors."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -114,14 +145,15 @@ def run_rank(use_patches: bool, keeps: list[int]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_qwen2_config()).eval()
     reference = copy.deepcopy(model)
-    input_ids = torch.randint(0, 128, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    # Token 0 is the pad token: real tokens are drawn from 1..127.
+    input_ids = torch.randint(1, 128, (BATCH, seq_len), generator=torch.Generator().manual_seed(1))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     parallelize_module(model, mesh, tp_sp_plan())
     runs: dict[str, Any] = {}
     for keep in keeps:
         expected = _forward(reference, input_ids, keep)
         try:
-            got = _forward(model, input_ids, keep)
+            got = _forward(model, input_ids, keep, tp=dist.get_world_size())
         except Exception as exc:  # noqa: BLE001 - the example reports the failure as its result
             message = str(exc).splitlines()[0] if str(exc) else ""
             runs[str(keep)] = {"error": f"{type(exc).__name__}: {message}"}
@@ -148,12 +180,19 @@ def main(argv: list[str] | None = None) -> int:
         help="values to run (0 keeps every position: the whole-dim slice that needs the patch)",
     )
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=SEQ_LEN,
+        help="tokens per sequence; lengths not divisible by --world-size are padded and trimmed",
+    )
     parser.add_argument("--atol", type=float, default=1e-5)
     args = parser.parse_args(argv)
     with RankPool(args.world_size) as pool:
-        results = pool.run(run_rank, not args.no_patches, args.logits_to_keep)
+        results = pool.run(run_rank, not args.no_patches, args.logits_to_keep, args.seq_len)
     summary: dict[str, Any] = {
         "torch": results[0]["torch"],
+        "seq_len": args.seq_len,
         "patches": results[0]["patches"],
         "logits_to_keep": {},
     }

@@ -49,3 +49,16 @@ def test_qwen2_tp_sp_with_and_without_patches() -> None:
     else:
         assert rc == 0 and whole["max_abs_diff"] <= 1e-5
     assert stock["logits_to_keep"]["1"]["ok"]  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_qwen2_tp_sp_odd_sequence_lengths() -> None:
+    # SP shards the sequence: 7 and 5 tokens on TP=2 are padded, then trimmed. Without the
+    # padding the forward aborts in a gloo collective (issue: uneven sequence shards).
+    for seq_len in ("7", "5"):
+        rc, result = _run("--seq-len", seq_len, "--logits-to-keep", "0", "1", "3")
+        assert rc == 0, result
+        assert result["seq_len"] == int(seq_len)
+        for keep in ("0", "1", "3"):
+            run = result["logits_to_keep"][keep]  # type: ignore[index]
+            assert run["ok"] and run["max_abs_diff"] <= 1e-5, (seq_len, keep, run)
