@@ -177,6 +177,33 @@ ORACLE: dict[str, OracleOp] = {
         dtypes=("float32", "int64"),
         needs_nonempty=True,
     ),
+    "median_all": OracleOp(
+        "order_stats",
+        lambda x, p: torch.median(x),
+        _all,
+        keepdim=lambda p: False,
+        dtypes=("float32", "int64"),
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "nanmedian_all": OracleOp(
+        "order_stats",
+        lambda x, p: torch.nanmedian(x.masked_fill(x > 1.0, float("nan"))),
+        _all,
+        keepdim=lambda p: False,
+        needs_nonempty=True,
+    ),
+    # Negative dims included (the bug); no placement claim: the output's shard dims shift
+    # past the new dim, which ``_expected_placement`` does not model. Not differentiable here:
+    # on 2.9 stack's backward fails in ``select.int`` of the expanded gradient of ``sum()``
+    # with or without this patch (a separate gap).
+    "stack": OracleOp(
+        "stack_dim",
+        lambda x, p: torch.stack([x, x * 2], p["dim"]),
+        None,
+        dtypes=("float32", "int64"),
+        linear=True,
+    ),
     "flip": OracleOp(
         "flip_roll",
         lambda x, p: torch.flip(x, [p["dim"]]),

@@ -22,6 +22,7 @@ from dtensor_patches.patches import (
     scans,
     sdpa_cpu,
     squeeze,
+    stack_dim,
     unbind,
     unfold,
     var_mean,
@@ -48,6 +49,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     mean_uneven.PATCH,
     max_min_indices.PATCH,
     squeeze.PATCH,
+    stack_dim.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
