@@ -40,6 +40,9 @@ def _like(x: Any, table: torch.Tensor) -> Any:
     return table
 
 
+_UNSORTED = torch.tensor([0.5, -1.0, 1.5, 0.0, -0.5, 1.0, -1.5])
+
+
 def _dim(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
     return (p["dim"] % ndim,)
 
@@ -237,6 +240,13 @@ ORACLE: dict[str, OracleOp] = {
         "isin_searchsorted",
         lambda x, p: torch.searchsorted(
             _like(x, torch.linspace(-1.5, 1.5, 7)), x, right=p["keepdim"]
+        ),
+        lambda p, ndim: (),
+    ),
+    "searchsorted_sorter": OracleOp(
+        "isin_searchsorted",
+        lambda x, p: torch.searchsorted(
+            _like(x, _UNSORTED), x, right=p["keepdim"], sorter=_like(x, _UNSORTED.argsort())
         ),
         lambda p, ndim: (),
     ),
