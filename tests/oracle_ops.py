@@ -43,6 +43,22 @@ def _like(x: Any, table: torch.Tensor) -> Any:
 _UNSORTED = torch.tensor([0.5, -1.0, 1.5, 0.0, -0.5, 1.0, -1.5])
 
 
+def _copy(x: Any) -> Any:
+    """A copy with the same placements (``clone`` may reduce a ``Partial`` first)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        return DTensor.from_local(
+            x.to_local().clone(),
+            x.device_mesh,
+            x.placements,
+            run_check=False,
+            shape=x.shape,
+            stride=x.stride(),
+        )
+    return x.clone()
+
+
 def _dim(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
     return (p["dim"] % ndim,)
 
@@ -249,6 +265,23 @@ ORACLE: dict[str, OracleOp] = {
             _like(x, _UNSORTED), x, right=p["keepdim"], sorter=_like(x, _UNSORTED.argsort())
         ),
         lambda p, ndim: (),
+    ),
+    # The hidden (last) dim may be sharded; no placement claim (torch's mul/rsqrt decide).
+    "rms_norm": OracleOp(
+        "add_scalar_partial",
+        lambda x, p: F.rms_norm(
+            x, (x.shape[-1],), _like(x, torch.linspace(0.5, 1.5, x.shape[-1])), 1e-6
+        ),
+        None,
+        differentiable=True,
+    ),
+    "add_scalar_inplace": OracleOp(
+        "add_scalar_partial",
+        lambda x, p: torch.ops.aten.add_.Scalar(_copy(x), 2, alpha=p["shift"]),
+        lambda p, ndim: (),
+        dtypes=("float32", "int64"),
+        linear=True,
+        differentiable=True,
     ),
     "mse_loss": OracleOp(
         "mse_loss",

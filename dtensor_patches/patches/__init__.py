@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dtensor_patches.patch import Patch
 from dtensor_patches.patches import (
+    add_scalar_partial,
     alias,
     count_nonzero,
     data_dependent,
@@ -50,6 +51,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     max_min_indices.PATCH,
     squeeze.PATCH,
     stack_dim.PATCH,
+    add_scalar_partial.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
