@@ -134,6 +134,15 @@ ORACLE: dict[str, OracleOp] = {
         keepdim=lambda p: False,
         needs_nonempty=True,
     ),
+    # Small ints: ties across shards, resolved in flattened order as on one device.
+    "argmax_all": OracleOp(
+        "argmax_all",
+        lambda x, p: torch.argmax(x, None, p["keepdim"]),
+        _all,
+        keepdim=lambda p: p["keepdim"],
+        dtypes=("float32", "int64"),
+        needs_nonempty=True,
+    ),
     "logsumexp": OracleOp(
         "reductions_2_9",
         lambda x, p: torch.logsumexp(x, p["dim"], keepdim=p["keepdim"]),

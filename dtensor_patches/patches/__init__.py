@@ -7,6 +7,7 @@ from dtensor_patches.patch import Patch
 from dtensor_patches.patches import (
     add_scalar_partial,
     alias,
+    argmax_all,
     count_nonzero,
     data_dependent,
     fill_tensor,
@@ -52,6 +53,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     squeeze.PATCH,
     stack_dim.PATCH,
     add_scalar_partial.PATCH,
+    argmax_all.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
