@@ -181,6 +181,23 @@ ORACLE: dict[str, OracleOp] = {
         differentiable=True,
         needs_nonempty=True,
     ),
+    "std_mean": OracleOp(
+        "var_mean",
+        lambda x, p: torch.std_mean(x, p["dim"], correction=0, keepdim=p["keepdim"]),
+        _dim,
+        keepdim=lambda p: p["keepdim"],
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    # No placement claim: a shard on a reduced dim becomes Partial(sum), not Replicate.
+    "nansum": OracleOp(
+        "nansum",
+        lambda x, p: torch.nansum(
+            x.masked_fill(x > 1.0, float("nan")), p["dim"], keepdim=p["keepdim"]
+        ),
+        None,
+        differentiable=True,
+    ),
     # Not differentiable here: autograd's cumprod backward mixes plain tensors into DTensor
     # ops (a known, unfixed gap; see test_known_gaps.py).
     "cumprod": OracleOp("scans", lambda x, p: torch.cumprod(x, p["dim"]), _dim),

@@ -18,6 +18,7 @@ from dtensor_patches.patches import (
     max_min_indices,
     mean_uneven,
     mse_loss,
+    nansum,
     order_stats,
     pointwise_gaps,
     reductions_2_9,
@@ -54,6 +55,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     stack_dim.PATCH,
     add_scalar_partial.PATCH,
     argmax_all.PATCH,
+    nansum.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
