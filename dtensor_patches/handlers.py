@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dtensor_patches import compat
 
-__all__ = ["inplace_through_full", "replicated_result", "shard_of"]
+__all__ = ["full_tensor", "inplace_through_full", "replicated_result", "shard_of"]
 
 
 def _dtensor_class() -> Any:
@@ -45,6 +45,11 @@ def _full(value: Any) -> Any:
     if isinstance(value, _dtensor_class()):
         return value.full_tensor()
     return value
+
+
+def full_tensor(value: Any) -> Any:
+    """``value.full_tensor()`` for a DTensor (gathered on every rank); anything else as is."""
+    return _full(value)
 
 
 def _replicated(mesh: Any, value: Any) -> Any:

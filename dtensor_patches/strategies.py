@@ -257,12 +257,22 @@ def arg(op_schema: Any, index: int, name: str, default: Any = None) -> Any:
     return op_schema.kwargs_schema.get(name, default)
 
 
-def schema_info(static_argnum: int = 100, static_kwargkey: Sequence[str] | None = None) -> Any:
-    """A ``RuntimeSchemaInfo``: which non-tensor arguments key the propagation cache."""
+def schema_info(
+    static_argnum: int = 100,
+    static_kwargkey: Sequence[str] | None = None,
+    *,
+    needs_pytree: bool = False,
+) -> Any:
+    """A ``RuntimeSchemaInfo``: which non-tensor arguments key the propagation cache.
+
+    ``needs_pytree`` for ops taking a list of tensors (``stack``, ``cat``): DTensor then hands
+    the strategy one ``TupleStrategy`` holding an ``OpStrategy`` per list element.
+    """
     types = compat.dtensor_types()
     return types.RuntimeSchemaInfo(
         static_argnum=static_argnum,
         static_kwargkey=list(static_kwargkey) if static_kwargkey else None,
+        needs_pytree=needs_pytree,
     )
 
 

@@ -40,6 +40,25 @@ def _like(x: Any, table: torch.Tensor) -> Any:
     return table
 
 
+_UNSORTED = torch.tensor([0.5, -1.0, 1.5, 0.0, -0.5, 1.0, -1.5])
+
+
+def _copy(x: Any) -> Any:
+    """A copy with the same placements (``clone`` may reduce a ``Partial`` first)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        return DTensor.from_local(
+            x.to_local().clone(),
+            x.device_mesh,
+            x.placements,
+            run_check=False,
+            shape=x.shape,
+            stride=x.stride(),
+        )
+    return x.clone()
+
+
 def _dim(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
     return (p["dim"] % ndim,)
 
@@ -115,6 +134,15 @@ ORACLE: dict[str, OracleOp] = {
         keepdim=lambda p: False,
         needs_nonempty=True,
     ),
+    # Small ints: ties across shards, resolved in flattened order as on one device.
+    "argmax_all": OracleOp(
+        "argmax_all",
+        lambda x, p: torch.argmax(x, None, p["keepdim"]),
+        _all,
+        keepdim=lambda p: p["keepdim"],
+        dtypes=("float32", "int64"),
+        needs_nonempty=True,
+    ),
     "logsumexp": OracleOp(
         "reductions_2_9",
         lambda x, p: torch.logsumexp(x, p["dim"], keepdim=p["keepdim"]),
@@ -153,6 +181,23 @@ ORACLE: dict[str, OracleOp] = {
         differentiable=True,
         needs_nonempty=True,
     ),
+    "std_mean": OracleOp(
+        "var_mean",
+        lambda x, p: torch.std_mean(x, p["dim"], correction=0, keepdim=p["keepdim"]),
+        _dim,
+        keepdim=lambda p: p["keepdim"],
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    # No placement claim: a shard on a reduced dim becomes Partial(sum), not Replicate.
+    "nansum": OracleOp(
+        "nansum",
+        lambda x, p: torch.nansum(
+            x.masked_fill(x > 1.0, float("nan")), p["dim"], keepdim=p["keepdim"]
+        ),
+        None,
+        differentiable=True,
+    ),
     # Not differentiable here: autograd's cumprod backward mixes plain tensors into DTensor
     # ops (a known, unfixed gap; see test_known_gaps.py).
     "cumprod": OracleOp("scans", lambda x, p: torch.cumprod(x, p["dim"]), _dim),
@@ -176,6 +221,33 @@ ORACLE: dict[str, OracleOp] = {
         keepdim=lambda p: p["keepdim"],
         dtypes=("float32", "int64"),
         needs_nonempty=True,
+    ),
+    "median_all": OracleOp(
+        "order_stats",
+        lambda x, p: torch.median(x),
+        _all,
+        keepdim=lambda p: False,
+        dtypes=("float32", "int64"),
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "nanmedian_all": OracleOp(
+        "order_stats",
+        lambda x, p: torch.nanmedian(x.masked_fill(x > 1.0, float("nan"))),
+        _all,
+        keepdim=lambda p: False,
+        needs_nonempty=True,
+    ),
+    # Negative dims included (the bug); no placement claim: the output's shard dims shift
+    # past the new dim, which ``_expected_placement`` does not model. Not differentiable here:
+    # on 2.9 stack's backward fails in ``select.int`` of the expanded gradient of ``sum()``
+    # with or without this patch (a separate gap).
+    "stack": OracleOp(
+        "stack_dim",
+        lambda x, p: torch.stack([x, x * 2], p["dim"]),
+        None,
+        dtypes=("float32", "int64"),
+        linear=True,
     ),
     "flip": OracleOp(
         "flip_roll",
@@ -212,6 +284,32 @@ ORACLE: dict[str, OracleOp] = {
             _like(x, torch.linspace(-1.5, 1.5, 7)), x, right=p["keepdim"]
         ),
         lambda p, ndim: (),
+    ),
+    "searchsorted_sorter": OracleOp(
+        "isin_searchsorted",
+        lambda x, p: torch.searchsorted(
+            _like(x, _UNSORTED), x, right=p["keepdim"], sorter=_like(x, _UNSORTED.argsort())
+        ),
+        lambda p, ndim: (),
+    ),
+    # The hidden (last) dim may be sharded; no placement claim (torch's mul/rsqrt decide).
+    "rms_norm": OracleOp(
+        "inplace_writes",
+        lambda x, p: F.rms_norm(
+            x, (x.shape[-1],), _like(x, torch.linspace(0.5, 1.5, x.shape[-1])), 1e-6
+        ),
+        None,
+        differentiable=True,
+    ),
+    # A Partial target is reduced first and becomes Replicate (inplace_writes): no claim here,
+    # tests/test_inplace_writes.py checks the placements.
+    "add_scalar_inplace": OracleOp(
+        "inplace_writes",
+        lambda x, p: torch.ops.aten.add_.Scalar(_copy(x), 2, alpha=p["shift"]),
+        None,
+        dtypes=("float32", "int64"),
+        linear=True,
+        differentiable=True,
     ),
     "mse_loss": OracleOp(
         "mse_loss",

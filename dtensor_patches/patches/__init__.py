@@ -6,6 +6,7 @@ from __future__ import annotations
 from dtensor_patches.patch import Patch
 from dtensor_patches.patches import (
     alias,
+    argmax_all,
     count_nonzero,
     data_dependent,
     flip_roll,
@@ -16,12 +17,14 @@ from dtensor_patches.patches import (
     max_min_indices,
     mean_uneven,
     mse_loss,
+    nansum,
     order_stats,
     pointwise_gaps,
     reductions_2_9,
     scans,
     sdpa_cpu,
     squeeze,
+    stack_dim,
     unbind,
     unfold,
     var_mean,
@@ -48,6 +51,9 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     mean_uneven.PATCH,
     max_min_indices.PATCH,
     squeeze.PATCH,
+    stack_dim.PATCH,
+    argmax_all.PATCH,
+    nansum.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]

@@ -8,6 +8,13 @@ Fix: both are elementwise in the queried tensor (``elements`` / ``self``), which
 ``sorted_sequence``) is gathered. ``searchsorted`` with an N-D ``sorted_sequence`` (one table per
 row) gathers everything. ``Partial`` inputs are reduced first. No upstream strategy as of 2.15
 for ``searchsorted``; ``isin`` on a sharded test set measured failing on every release.
+
+``searchsorted`` is a custom handler rather than a strategy because of its keyword-only
+``sorter=`` tensor: DTensor redistributes positional tensor arguments to the placements a
+strategy asks for but hands keyword tensors to the kernel as their local shards, so a sharded
+``sorter`` reached the kernel as a piece of itself (``boundary and sorter must have the same
+size``). The handler gathers the table and the sorter and runs the kernel on this rank's shard
+of the queried tensor.
 """
 
 from __future__ import annotations
@@ -17,36 +24,62 @@ from typing import Any
 import torch
 from packaging.specifiers import SpecifierSet
 
+from dtensor_patches import compat
 from dtensor_patches._repro import Case, randn, run_cases
-from dtensor_patches.patch import Patch, Strategy
-from dtensor_patches.strategies import (
-    replicate_strategy,
-    schema_info,
-    tensor_meta,
-    uniform_strategy,
-)
+from dtensor_patches.handlers import full_tensor, replicated_result
+from dtensor_patches.patch import Handler, Patch, Strategy
+from dtensor_patches.strategies import is_shard, schema_info, uniform_strategy
 
 
 def _isin(op_schema: Any) -> Any:
     return uniform_strategy(op_schema)
 
 
-def _searchsorted(op_schema: Any) -> Any:
-    if len(tensor_meta(op_schema.args_schema[0]).shape) != 1:
-        return replicate_strategy(op_schema, driver=1)
-    return uniform_strategy(op_schema, driver=1)
+def _searchsorted(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """``searchsorted(sorted_sequence, self, *, out_int32, right, side, sorter)`` on DTensors.
+
+    A 1-D table: the output is sharded like ``self`` (its ``Shard`` placements kept, anything
+    else reduced or gathered first), from the gathered table and sorter; no other
+    communication. An N-D table (one per row): every input gathered, the output replicated.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    table, values = args[0], args[1]
+    if not isinstance(values, DTensor) or table.ndim != 1:
+        return replicated_result(op_call, args, kwargs)
+    placements = tuple(p if is_shard(p) else Replicate() for p in values.placements)
+    if placements != tuple(values.placements):
+        values = values.redistribute(values.device_mesh, placements)
+    local = op_call(
+        full_tensor(table),
+        compat.local_tensor(values),
+        *args[2:],
+        **{k: full_tensor(v) for k, v in kwargs.items()},
+    )
+    return DTensor.from_local(
+        local,
+        values.device_mesh,
+        placements,
+        run_check=False,
+        shape=values.shape,
+        stride=_contiguous_stride(values.shape),  # the kernel's output is contiguous
+    )
 
 
-def _registrations() -> list[Strategy]:
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(int(size), 1)
+    return tuple(reversed(stride))
+
+
+def _registrations() -> list[Strategy | Handler]:
     flags = schema_info(2, ("assume_unique", "invert"))
     return [
         Strategy("aten.isin.Tensor_Tensor", _isin, flags),
         Strategy("aten.isin.Tensor_Scalar", _isin, flags),
-        Strategy(
-            "aten.searchsorted.Tensor",
-            _searchsorted,
-            schema_info(2, ("out_int32", "right", "side", "sorter")),
-        ),
+        Handler("aten.searchsorted.Tensor", _searchsorted),
     ]
 
 
@@ -80,6 +113,27 @@ CASES = [
         lambda e, x: torch.searchsorted(e, x),
         lambda: [torch.sort(randn(4, 6), dim=-1).values, randn(4, 3, seed=1)],
         ["S0", "S0"],
+    ),
+]
+
+
+def _sorter_table() -> list[torch.Tensor]:
+    table = randn(10, seed=3)  # unsorted; ``sorter`` sorts it
+    return [table, randn(4, 6, seed=5), torch.argsort(table)]
+
+
+CASES += [
+    Case(
+        "searchsorted(t, x, sorter=s) R/S0/R",
+        lambda t, x, o: torch.searchsorted(t, x, sorter=o),
+        _sorter_table,
+        ["R", "S0", "R"],
+    ),
+    Case(
+        "searchsorted(t, x, sorter=s) S0/S1/S0",
+        lambda t, x, o: torch.searchsorted(t, x, right=True, sorter=o),
+        _sorter_table,
+        ["S0", "S1", "S0"],
     ),
 ]
 

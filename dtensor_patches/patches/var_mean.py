@@ -1,8 +1,10 @@
-"""``aten.var_mean.correction`` has no sharding strategy on torch 2.9 to 2.11.
+"""``aten.var_mean.correction`` and ``aten.std_mean.correction`` have no sharding strategy on
+torch 2.9 to 2.11.
 
-Trigger: ``torch.var_mean(x, dim)`` on a DTensor (layer statistics, advantage whitening).
+Trigger: ``torch.var_mean(x, dim)``, ``torch.std_mean(x, dim)`` on a DTensor (layer statistics,
+advantage whitening).
 
-Fix: a dimwise reduction with two outputs (variance, mean), both placed alike: shards on the
+Fix: a dimwise reduction with two outputs (variance or std, mean), both placed alike: shards on the
 dims not reduced stay sharded, a shard on a reduced dim or a ``Partial`` input is gathered
 first. Measured fixed upstream in torch 2.12.
 """
@@ -20,12 +22,13 @@ from dtensor_patches.patches._dimwise import dims_arg, dimwise, keepdim_arg
 def _registrations() -> list[Strategy]:
     return [
         dimwise(
-            "aten.var_mean.correction",
+            op,
             dims=dims_arg(1),
             keepdim=keepdim_arg(99),  # keyword-only
             num_outputs=2,
             static_kwargkey=("correction", "keepdim"),
         )
+        for op in ("aten.var_mean.correction", "aten.std_mean.correction")
     ]
 
 
@@ -38,6 +41,8 @@ CASES = [
         ["S0"],
     ),
     Case("var_mean(x)", lambda x: torch.var_mean(x, correction=0), lambda: [randn(5, 6)], ["S0"]),
+    Case("std_mean(x, 1)", lambda x: torch.std_mean(x, 1), lambda: [randn(5, 6)], ["S1"]),
+    Case("std_mean(x)", lambda x: torch.std_mean(x), lambda: [randn(5, 6)], ["S0"]),
 ]
 
 
@@ -48,10 +53,10 @@ def reproduce(mesh: object) -> str | None:
 
 PATCH = Patch(
     name="var_mean",
-    summary="strategy for aten.var_mean.correction (torch 2.9 to 2.11)",
-    ops=("aten.var_mean.correction",),
+    summary="strategies for var_mean and std_mean (torch 2.9 to 2.11)",
+    ops=("aten.var_mean.correction", "aten.std_mean.correction"),
     gate=SpecifierSet(">=2.9,<2.12"),
     registrations=_registrations,
     reproduce=reproduce,
-    upstream_fix="native strategy from torch 2.12 (measured)",
+    upstream_fix="torch 2.12: a native var_mean strategy; std_mean runs decomposed (measured)",
 )
