@@ -24,6 +24,9 @@ class OracleOp:
     min_ndim: int = 1
     dtypes: tuple[str, ...] = ("float32",)
     linear: bool = False
+    # Partial inputs drawn too although the op is not linear: it must reduce them first
+    # (gradients are compared for them as well).
+    partial: bool = False
     differentiable: bool = False
     needs_nonempty: bool = False
     # Combinations torch refuses on purpose on some releases (placement, params, shape) -> bool.
@@ -42,6 +45,11 @@ def _like(x: Any, table: torch.Tensor) -> Any:
 
 def _dim(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
     return (p["dim"] % ndim,)
+
+
+def _none(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
+    """Elementwise: works along no dim (shards stay, ``Partial`` is reduced unless linear)."""
+    return ()
 
 
 def _all(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
@@ -229,6 +237,58 @@ ORACLE: dict[str, OracleOp] = {
         lambda x, p: torch.unique(x, return_inverse=True, return_counts=True),
         None,
         dtypes=("int64",),
+    ),
+    # Partial inputs of out-of-place pointwise ops: the pending sum must be reduced first
+    # wherever the op is not linear in it (torch 2.9/2.10 add a scalar once per rank).
+    "partial_add_scalar": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: x + 10 if p["keepdim"] else x.add(p["shift"], alpha=2),
+        _none,
+        differentiable=True,
+        partial=True,
+    ),
+    "partial_sum_plus_scalar": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: x.sum(p["dim"]) + 1.5,
+        None,
+        differentiable=True,
+        partial=True,
+    ),
+    "partial_to_int": OracleOp(
+        "partial_int_cast",
+        lambda x, p: (x * 4).to(torch.int64 if p["keepdim"] else torch.bool),
+        _none,
+        partial=True,
+    ),
+    "partial_to_float": OracleOp(
+        "partial_int_cast",
+        lambda x, p: x.to(torch.float64),
+        _none,
+        differentiable=True,
+        linear=True,
+    ),
+    "partial_add_partial": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: x + x * 0.5 - _like(x, torch.tensor(0.25)),
+        None,
+        differentiable=True,
+        partial=True,
+    ),
+    # Non-linear ops on Partial inputs that torch handles itself on every release: guards for
+    # the in-place handler, which computes through these out-of-place ops.
+    "partial_nonlinear": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: torch.where(x > 0, x.exp(), x.sigmoid()) + x.clamp(-0.5, 0.5).abs() ** 2,
+        None,
+        differentiable=True,
+        partial=True,
+    ),
+    "partial_times_partial": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: x * x - 1 / (x.abs() + 1) + 2 - x,
+        None,
+        differentiable=True,
+        partial=True,
     ),
 }
 

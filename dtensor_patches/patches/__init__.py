@@ -17,6 +17,8 @@ from dtensor_patches.patches import (
     mean_uneven,
     mse_loss,
     order_stats,
+    partial_add_scalar,
+    partial_int_cast,
     pointwise_gaps,
     reductions_2_9,
     scans,
@@ -48,6 +50,8 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     mean_uneven.PATCH,
     max_min_indices.PATCH,
     squeeze.PATCH,
+    partial_add_scalar.PATCH,
+    partial_int_cast.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
