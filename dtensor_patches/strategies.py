@@ -27,6 +27,7 @@ from dtensor_patches.errors import PatchError
 __all__ = [
     "PartialRule",
     "PlacementRule",
+    "additive_rule",
     "arg",
     "dimwise_strategy",
     "elementwise_strategy",
@@ -338,7 +339,12 @@ def evenly_sharded(spec: Any, dim: int) -> bool:
     return int(spec.tensor_meta.shape[dim]) % ways == 0
 
 
-def elementwise_strategy(op_schema: Any, *, partial_rule: PartialRule | None = None) -> Any:
+def elementwise_strategy(
+    op_schema: Any,
+    *,
+    partial_rule: PartialRule | None = None,
+    replicated: Iterable[int] = (),
+) -> Any:
     """Out-of-place elementwise op over its tensor arguments, with broadcasting.
 
     The output has the broadcast shape of the tensor arguments (python scalars are ignored).
@@ -354,12 +360,16 @@ def elementwise_strategy(op_schema: Any, *, partial_rule: PartialRule | None = N
       every argument is replicated on that mesh dim first (correct for any function);
     - anything else is replicated.
 
-    DTensor picks the candidate that moves the least data.
+    Tensor arguments at positions in ``replicated`` take no part in the broadcast and are
+    always replicated (an empty workspace argument, as ``log_sigmoid_backward``'s buffer on
+    accelerators). DTensor picks the candidate that moves the least data.
     """
     from torch.distributed.tensor import Replicate, Shard
 
     types = compat.dtensor_types()
-    tensors = _tensor_args(op_schema)
+    aside = set(replicated)
+    everything = _tensor_args(op_schema)
+    tensors = [(pos, st) for pos, st in everything if pos not in aside]
     if not tensors:
         raise PatchError(f"{op_schema.op}: expected a tensor argument")
     shapes = {pos: tuple(int(n) for n in tensor_meta(st).shape) for pos, st in tensors}
@@ -414,9 +424,11 @@ def elementwise_strategy(op_schema: Any, *, partial_rule: PartialRule | None = N
                 continue
             seen.add(key)
             input_specs, costs = [], []
-            for pos, st in tensors:
+            for pos, st in everything:
                 template = st.strategies[0].output_spec
-                wanted_spec = _spec(template, in_placements[pos])
+                wanted_spec = _spec(
+                    template, in_placements.get(pos, [Replicate()] * len(out_placements))
+                )
                 input_specs.append(wanted_spec)
                 costs.append([redistribute_cost(s.output_spec, wanted_spec) for s in st.strategies])
             specs.append(
@@ -427,3 +439,31 @@ def elementwise_strategy(op_schema: Any, *, partial_rule: PartialRule | None = N
                 )
             )
     return types.OpStrategy(specs)
+
+
+def _is_replicate(placement: Any) -> bool:
+    return bool(getattr(placement, "is_replicate", lambda: False)())
+
+
+def additive_rule(column: list[tuple[int, Any]]) -> tuple[list[Any], Any] | None:
+    """A :data:`PartialRule` for ``a + alpha * b`` (``add``, ``sub``, ``rsub``).
+
+    ``sum(a_i) + r``: ``r`` is turned into a ``Partial(sum)`` share (on one rank, zeros on the
+    others), so the output is ``Partial(sum)`` with no communication. ``avg(a_i) + r =
+    avg(a_i + r)``. A python scalar (one tensor argument) is added on every rank, so only
+    ``avg`` survives it. ``max``/``min``, mixed kinds and shards are reduced first.
+    """
+    from torch.distributed.tensor import Partial
+
+    placements = [p for _, p in column]
+    kinds = [reduce_op_of(p) for p in placements]
+    if len(placements) == 1:
+        return (placements, placements[0]) if kinds[0] == "avg" else None
+    pending = {k for k in kinds if k is not None}
+    if pending not in ({"sum"}, {"avg"}):
+        return None
+    if not all(k is not None or _is_replicate(p) for k, p in zip(kinds, placements, strict=True)):
+        return None  # a shard on this mesh dim: another candidate follows it
+    if pending == {"avg"}:
+        return placements, Partial("avg")
+    return [Partial("sum")] * len(placements), Partial("sum")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dtensor_patches.patch import Patch
 from dtensor_patches.patches import (
+    activation_backward,
     alias,
     count_nonzero,
     data_dependent,
@@ -19,8 +20,11 @@ from dtensor_patches.patches import (
     order_stats,
     partial_add_scalar,
     partial_int_cast,
+    pointwise_2_10,
+    pointwise_2_11,
     pointwise_gaps,
     reductions_2_9,
+    reductions_2_11,
     scans,
     sdpa_cpu,
     squeeze,
@@ -52,6 +56,10 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     squeeze.PATCH,
     partial_add_scalar.PATCH,
     partial_int_cast.PATCH,
+    pointwise_2_10.PATCH,
+    pointwise_2_11.PATCH,
+    activation_backward.PATCH,
+    reductions_2_11.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]

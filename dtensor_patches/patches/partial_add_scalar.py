@@ -31,35 +31,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._repro import Case, randn, run_cases
 from dtensor_patches.patch import Patch, Strategy
-from dtensor_patches.strategies import elementwise_strategy, reduce_op_of, schema_info
-
-
-def _is_replicate(placement: Any) -> bool:
-    return bool(getattr(placement, "is_replicate", lambda: False)())
-
-
-def additive_rule(column: list[tuple[int, Any]]) -> tuple[list[Any], Any] | None:
-    """``a + alpha * b`` on one mesh dim where some argument is ``Partial``.
-
-    ``sum(a_i) + r``: ``r`` is turned into a ``Partial(sum)`` share (on one rank, zeros on the
-    others), so the output is ``Partial(sum)`` with no communication. ``avg(a_i) + r =
-    avg(a_i + r)``. A python scalar (one tensor argument) is added on every rank, so only
-    ``avg`` survives it. ``max``/``min`` and mixed kinds are reduced first.
-    """
-    from torch.distributed.tensor import Partial
-
-    placements = [p for _, p in column]
-    kinds = [reduce_op_of(p) for p in placements]
-    if len(placements) == 1:
-        return (placements, placements[0]) if kinds[0] == "avg" else None
-    pending = {k for k in kinds if k is not None}
-    if pending not in ({"sum"}, {"avg"}):
-        return None
-    if not all(k is not None or _is_replicate(p) for k, p in zip(kinds, placements, strict=True)):
-        return None  # a shard on this mesh dim: another candidate follows it
-    if pending == {"avg"}:
-        return placements, Partial("avg")
-    return [Partial("sum")] * len(placements), Partial("sum")
+from dtensor_patches.strategies import additive_rule, elementwise_strategy, schema_info
 
 
 def _add_strategy(op_schema: Any) -> Any:
