@@ -290,7 +290,71 @@ ORACLE: dict[str, OracleOp] = {
         differentiable=True,
         partial=True,
     ),
+    # Elementwise ops with no strategy on older releases (and their backward ops).
+    "activations": OracleOp(
+        "pointwise_2_10",
+        lambda x, p: _ACTIVATIONS[p["shift"] % len(_ACTIVATIONS)](x),
+        _none,
+        differentiable=True,
+    ),
+    "fmax_fmin_rsub": OracleOp(
+        "pointwise_2_10",
+        lambda x, p: torch.rsub(torch.fmax(x, _row(x)), torch.fmin(_row(x), x)),
+        None,
+        differentiable=True,
+    ),
+    "logsigmoid_relu6": OracleOp(
+        "logsigmoid_hardtanh",
+        lambda x, p: F.logsigmoid(x * 2) if p["keepdim"] else F.relu6(x * 4),
+        _none,
+        differentiable=True,
+        partial=True,
+    ),
+    "glu": OracleOp(
+        "pointwise_2_11",
+        lambda x, p: F.glu(x, p["dim"]),
+        _dim,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "ne_entr": OracleOp(
+        "pointwise_2_11",
+        lambda x, p: (torch.special.entr(x.abs()), x != _row(x)),
+        None,
+        differentiable=True,
+    ),
+    "nansum": OracleOp(
+        "reductions_2_11",
+        lambda x, p: torch.nansum(x, p["dim"], keepdim=p["keepdim"]),
+        _dim,
+        keepdim=lambda p: p["keepdim"],
+        linear=True,
+        differentiable=True,
+    ),
+    "std_mean": OracleOp(
+        "reductions_2_11",
+        lambda x, p: torch.std_mean(x, p["dim"], correction=0, keepdim=p["keepdim"]),
+        _dim,
+        keepdim=lambda p: p["keepdim"],
+        differentiable=True,
+        needs_nonempty=True,
+    ),
 }
+
+_ACTIVATIONS: list[Callable[[Any], Any]] = [
+    lambda t: F.softplus(t, beta=2.0),
+    F.leaky_relu,
+    F.elu,
+    F.celu,
+    F.mish,
+    F.selu,
+]
+
+
+def _row(x: Any) -> Any:
+    """A table broadcast along every dim but the last (replicated when ``x`` is a DTensor)."""
+    n = x.shape[-1] if x.dim() else 1
+    return _like(x, torch.linspace(-1.0, 1.0, n).reshape(n) if x.dim() else torch.tensor(0.5))
 
 
 def make_input(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:

@@ -146,6 +146,8 @@ def examples(draw: st.DrawFn, op_name: str, mesh_shape: tuple[int, ...]) -> dict
     }
     if op.refused is not None:
         assume(not any(op.refused(p, params, shape) for p in placements))
+    if op_name == "glu":
+        assume(shape[params["dim"] % ndim] % 2 == 0)
     if op_name == "unfold":
         assume(shape[params["dim"] % ndim] >= 1 + params["shift"] % 2)
     seed = draw(st.integers(0, 2**16))
