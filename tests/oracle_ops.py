@@ -303,9 +303,9 @@ ORACLE: dict[str, OracleOp] = {
         None,
         differentiable=True,
     ),
-    "logsigmoid_relu6": OracleOp(
-        "logsigmoid_hardtanh",
-        lambda x, p: F.logsigmoid(x * 2) if p["keepdim"] else F.relu6(x * 4),
+    "activation_grads": OracleOp(
+        "activations",
+        lambda x, p: _BACKWARD_ONLY[p["shift"] % len(_BACKWARD_ONLY)](x),
         _none,
         differentiable=True,
         partial=True,
@@ -348,6 +348,18 @@ _ACTIVATIONS: list[Callable[[Any], Any]] = [
     F.celu,
     F.mish,
     F.selu,
+]
+
+
+# Their backward ops have no strategy on any release (torch 2.9 to 2.15).
+_BACKWARD_ONLY: list[Callable[[Any], Any]] = [
+    lambda t: F.logsigmoid(t * 2),
+    lambda t: F.relu6(t * 4),
+    lambda t: F.hardswish(t * 4),
+    lambda t: F.hardsigmoid(t * 4),
+    F.hardshrink,
+    F.softshrink,
+    lambda t: F.hardtanh(t, -0.5, 0.5),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dtensor_patches.patch import Patch
 from dtensor_patches.patches import (
+    activations,
     alias,
     count_nonzero,
     data_dependent,
@@ -12,7 +13,6 @@ from dtensor_patches.patches import (
     flip_roll,
     index_put,
     isin_searchsorted,
-    logsigmoid_hardtanh,
     masked_scatter,
     max_min_indices,
     mean_uneven,
@@ -58,7 +58,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     partial_int_cast.PATCH,
     pointwise_2_10.PATCH,
     pointwise_2_11.PATCH,
-    logsigmoid_hardtanh.PATCH,
+    activations.PATCH,
     reductions_2_11.PATCH,
 )
 

@@ -1,18 +1,19 @@
-"""``F.logsigmoid`` and ``F.hardtanh``/``F.relu6``, forward and backward, have no sharding
-strategy on torch 2.9 to 2.12.
+"""Activation ops whose backward (and, on older releases, forward) has no sharding strategy:
+``F.logsigmoid``, ``F.hardtanh``/``F.relu6``, ``F.hardswish``, ``F.hardsigmoid``,
+``F.hardshrink``, ``F.softshrink``.
 
 Trigger: ``loss = -F.logsigmoid(beta * (chosen - rejected)).mean(); loss.backward()`` (DPO,
-reward models) or ``F.relu6(x)`` on DTensors: ``NotImplementedError: Operator
-aten.log_sigmoid_forward.default does not have a sharding strategy registered`` on 2.9/2.10;
-from 2.11 the forward runs and the backward raises the same for
-``aten.log_sigmoid_backward.default`` / ``aten.hardtanh_backward.default`` (2.11, 2.12).
+reward models) on DTensors. Measured: on torch 2.9/2.10 the forward raises
+``NotImplementedError: Operator aten.log_sigmoid_forward.default does not have a sharding
+strategy registered``; from 2.11 the forward runs (``hardshrink`` from 2.12) and the backward
+raises the same for ``aten.log_sigmoid_backward.default`` (``hardtanh_backward``,
+``hardswish_backward``…) on every release up to 2.15.
 
-Fix: ``strategies.elementwise_strategy``: shards stay sharded, ``Partial()`` is reduced first.
-``log_sigmoid_forward`` also returns a buffer, shaped like the input on CPU (placed like the
-output) and empty on accelerators (replicated); ``log_sigmoid_backward`` takes it back alike.
-Ops that torch already covers on a release (``hardtanh`` from 2.11) are left to torch.
-Measured fixed upstream in torch 2.13 (calling ``aten.log_sigmoid_backward`` directly still
-raises there, but ``F.logsigmoid`` no longer reaches it).
+Fix: ``strategies.elementwise_strategy`` over ``grad_output`` and ``self``: shards stay
+sharded, ``Partial()`` is reduced first. ``log_sigmoid_forward`` also returns a buffer, shaped
+like the input on CPU (placed like the output) and empty on accelerators (replicated);
+``log_sigmoid_backward`` takes it back alike. Ops that torch already covers on a release (the
+forwards from 2.11/2.12) are left to torch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ from dtensor_patches import compat
 from dtensor_patches._repro import Case, randn, run_cases
 from dtensor_patches.patch import Patch, Strategy
 from dtensor_patches.strategies import elementwise_strategy, tensor_meta
+
+ELEMENTWISE = (
+    "aten.hardtanh.default",
+    "aten.hardtanh_backward.default",
+    "aten.hardswish.default",
+    "aten.hardswish_backward.default",
+    "aten.hardsigmoid.default",
+    "aten.hardsigmoid_backward.default",
+    "aten.hardshrink.default",
+    "aten.hardshrink_backward.default",
+    "aten.softshrink.default",
+    "aten.softshrink_backward.default",
+)
 
 
 def _elementwise(op_schema: Any) -> Any:
@@ -68,9 +82,7 @@ def _registrations() -> list[Strategy]:
     return [
         Strategy("aten.log_sigmoid_forward.default", _log_sigmoid_forward),
         Strategy("aten.log_sigmoid_backward.default", _log_sigmoid_backward),
-        Strategy("aten.hardtanh.default", _elementwise),
-        Strategy("aten.hardtanh_backward.default", _elementwise),
-    ]
+    ] + [Strategy(op, _elementwise) for op in ELEMENTWISE]
 
 
 def _with_grad(fn: Any) -> Any:
@@ -100,21 +112,17 @@ CASES = [
 
 
 def reproduce(mesh: object) -> str | None:
-    """``logsigmoid`` and ``relu6`` with their gradients on sharded DTensors vs single-device."""
+    """The activations and their gradients on sharded DTensors vs single-device."""
     return run_cases(mesh, CASES)
 
 
 PATCH = Patch(
-    name="logsigmoid_hardtanh",
-    summary="strategies for logsigmoid and hardtanh, forward and backward (torch 2.9 to 2.12)",
-    ops=(
-        "aten.log_sigmoid_forward.default",
-        "aten.log_sigmoid_backward.default",
-        "aten.hardtanh.default",
-        "aten.hardtanh_backward.default",
-    ),
-    gate=SpecifierSet(">=2.9,<2.13"),
+    name="activations",
+    summary="strategies for logsigmoid, hardtanh, hardswish, hardsigmoid, hardshrink, "
+    "softshrink, forward and backward",
+    ops=("aten.log_sigmoid_forward.default", "aten.log_sigmoid_backward.default", *ELEMENTWISE),
+    gate=SpecifierSet(">=2.9"),
     registrations=_registrations,
     reproduce=reproduce,
-    upstream_fix="native strategies or decompositions from torch 2.13 (measured)",
+    upstream_fix="backward ops still without a strategy in torch 2.15 (measured)",
 )
