@@ -339,6 +339,14 @@ ORACLE: dict[str, OracleOp] = {
         differentiable=True,
         needs_nonempty=True,
     ),
+    "mv": OracleOp(
+        "mv",
+        lambda x, p: x @ _row(x) if p["keepdim"] else torch.addmv(_row(x.T), x, _row(x)),
+        None,
+        min_ndim=2,
+        linear=True,
+        differentiable=True,
+    ),
 }
 
 _ACTIVATIONS: list[Callable[[Any], Any]] = [

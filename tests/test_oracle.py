@@ -146,6 +146,8 @@ def examples(draw: st.DrawFn, op_name: str, mesh_shape: tuple[int, ...]) -> dict
     }
     if op.refused is not None:
         assume(not any(op.refused(p, params, shape) for p in placements))
+    if op_name == "mv":
+        assume(ndim == 2)
     if op_name == "glu":
         assume(shape[params["dim"] % ndim] % 2 == 0)
     if op_name == "unfold":

@@ -17,6 +17,7 @@ from dtensor_patches.patches import (
     max_min_indices,
     mean_uneven,
     mse_loss,
+    mv,
     order_stats,
     partial_add_scalar,
     partial_int_cast,
@@ -60,6 +61,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     pointwise_2_11.PATCH,
     activations.PATCH,
     reductions_2_11.PATCH,
+    mv.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
