@@ -8,7 +8,9 @@ from partial sums hit this.
 
 Fix (replacing torch's strategy for ``_to_copy``): ``strategies.elementwise_strategy``; a
 pending sum or average stays pending only between floating (or complex) dtypes, where the cast
-commutes with the reduction; before a cast to an integer or bool dtype it is reduced first.
+commutes with the reduction; before a cast to an integer or bool dtype it is reduced first. A
+pending max or min stays pending except before a cast to bool (every other cast is
+non-decreasing).
 Shards stay sharded. Measured correct from torch 2.12.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._repro import Case, randn, run_cases
@@ -35,10 +38,14 @@ def _cast_rule(op_schema: Any) -> PartialRule:
 
     def rule(column: list[tuple[int, Any]]) -> tuple[list[Any], Any] | None:
         ((_, p),) = column
+        kind = reduce_op_of(p)
         floating = (src.is_floating_point or src.is_complex) and (
             dst.is_floating_point or dst.is_complex
         )
-        if floating and reduce_op_of(p) in ("sum", "avg"):
+        # A sum or average commutes with a cast between floating dtypes only; every real cast
+        # but to bool is non-decreasing, so it commutes with a max or min.
+        ordered = dst != torch.bool and not dst.is_complex
+        if (kind in ("sum", "avg") and floating) or (kind in ("max", "min") and ordered):
             return [p], p
         return None
 
