@@ -19,25 +19,37 @@ import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
+
 from dtensor_patches import compat
 from dtensor_patches.errors import PatchError
 
 __all__ = [
+    "PartialRule",
     "PlacementRule",
+    "additive_rule",
     "arg",
     "dimwise_strategy",
+    "elementwise_strategy",
     "evenly_sharded",
     "follow_input_strategy",
     "is_shard",
     "normalize_dims",
     "pointwise_strategy",
     "redistribute_cost",
+    "reduce_op_of",
     "replicate_strategy",
     "rule_strategy",
     "schema_info",
     "tensor_meta",
     "uniform_strategy",
 ]
+
+# Decides one mesh dim of an elementwise op where some input is ``Partial``: gets
+# ``[(position, placement), ...]`` (every tensor argument's current placement on that mesh dim)
+# and returns ``(input placements in the same order, output placement)`` to keep a pending
+# reduction, or ``None`` to replicate every input on that mesh dim first.
+PartialRule = Callable[[list[tuple[int, Any]]], "tuple[list[Any], Any] | None"]
 
 
 def redistribute_cost(src: Any, dst: Any) -> float:
@@ -100,6 +112,11 @@ def is_shard(placement: Any) -> bool:
 
 def _is_partial(placement: Any) -> bool:
     return bool(getattr(placement, "is_partial", lambda: False)())
+
+
+def reduce_op_of(placement: Any) -> str | None:
+    """The pending reduction (``"sum"``, ``"avg"``, ``"max"``…) of a ``Partial``, else ``None``."""
+    return str(placement.reduce_op) if _is_partial(placement) else None
 
 
 def _tensor_args(op_schema: Any) -> list[tuple[int, Any]]:
@@ -330,3 +347,133 @@ def evenly_sharded(spec: Any, dim: int) -> bool:
         if is_shard(p) and p.dim == dim:
             ways *= spec.mesh.size(mesh_dim)
     return int(spec.tensor_meta.shape[dim]) % ways == 0
+
+
+def elementwise_strategy(
+    op_schema: Any,
+    *,
+    partial_rule: PartialRule | None = None,
+    replicated: Iterable[int] = (),
+) -> Any:
+    """Out-of-place elementwise op over its tensor arguments, with broadcasting.
+
+    The output has the broadcast shape of the tensor arguments (python scalars are ignored).
+    One candidate per candidate placement of every tensor argument, so a shard of any
+    argument can be followed, whichever is larger:
+
+    - ``Shard(d)`` of an argument on a non-broadcast dim stays sharded: the output is sharded
+      on the matching dim and every other argument is sharded alike where it has that dim,
+      replicated where it broadcasts along it (size 1 or missing). Any ``Shard`` subclass
+      (``_StridedShard``) is kept as is when no argument broadcasts;
+    - a mesh dim where some argument is ``Partial()`` asks ``partial_rule`` (keep the pending
+      reduction when the op is linear in those arguments); without one, or when it declines,
+      every argument is replicated on that mesh dim first (correct for any function);
+    - anything else is replicated.
+
+    Tensor arguments at positions in ``replicated`` take no part in the broadcast and are
+    always replicated (an empty workspace argument, as ``log_sigmoid_backward``'s buffer on
+    accelerators). DTensor picks the candidate that moves the least data.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    types = compat.dtensor_types()
+    aside = set(replicated)
+    everything = _tensor_args(op_schema)
+    tensors = [(pos, st) for pos, st in everything if pos not in aside]
+    if not tensors:
+        raise PatchError(f"{op_schema.op}: expected a tensor argument")
+    shapes = {pos: tuple(int(n) for n in tensor_meta(st).shape) for pos, st in tensors}
+    out_shape = tuple(int(n) for n in torch.broadcast_shapes(*shapes.values()))
+    out_ndim = len(out_shape)
+    no_broadcast = all(shape == out_shape for shape in shapes.values())
+    current = {pos: st.strategies[0].output_spec.placements for pos, st in tensors}
+    mesh = tensors[0][1].strategies[0].output_spec.mesh
+
+    def source_dim(pos: int, out_dim: int) -> int | None:
+        shape = shapes[pos]
+        d = out_dim - (out_ndim - len(shape))
+        if d < 0 or shape[d] != out_shape[out_dim]:
+            return None  # broadcast along out_dim
+        return d
+
+    seen: set[str] = set()
+    specs = []
+    for driver, strategy in tensors:
+        offset = out_ndim - len(shapes[driver])
+        for candidate in strategy.strategies:
+            out_placements: list[Any] = []
+            in_placements: dict[int, list[Any]] = {pos: [] for pos in shapes}
+            for mesh_dim, p in enumerate(candidate.output_spec.placements):
+                if isinstance(p, Shard) and no_broadcast:
+                    out_placements.append(p)
+                    for pos in shapes:
+                        in_placements[pos].append(p)
+                    continue
+                if is_shard(p) and source_dim(driver, p.dim + offset) is not None:
+                    out_dim = p.dim + offset
+                    out_placements.append(Shard(out_dim))
+                    for pos in shapes:
+                        d = source_dim(pos, out_dim)
+                        in_placements[pos].append(Replicate() if d is None else Shard(d))
+                    continue
+                column = [(pos, p if pos == driver else current[pos][mesh_dim]) for pos in shapes]
+                decision = None
+                if partial_rule is not None and any(_is_partial(q) for _, q in column):
+                    decision = partial_rule(column)
+                if decision is None:
+                    out_placements.append(Replicate())
+                    for pos in shapes:
+                        in_placements[pos].append(Replicate())
+                else:
+                    wanted, out = decision
+                    out_placements.append(out)
+                    for pos, q in zip(shapes, wanted, strict=True):
+                        in_placements[pos].append(q)
+            key = repr((out_placements, in_placements))
+            if key in seen:
+                continue
+            seen.add(key)
+            input_specs, costs = [], []
+            for pos, st in everything:
+                template = st.strategies[0].output_spec
+                wanted_spec = _spec(
+                    template, in_placements.get(pos, [Replicate()] * len(out_placements))
+                )
+                input_specs.append(wanted_spec)
+                costs.append([redistribute_cost(s.output_spec, wanted_spec) for s in st.strategies])
+            specs.append(
+                types.OpSpec(
+                    output_specs=types.DTensorSpec(mesh=mesh, placements=tuple(out_placements)),
+                    input_specs=tuple(input_specs),
+                    redistribute_cost=costs,
+                )
+            )
+    return types.OpStrategy(specs)
+
+
+def _is_replicate(placement: Any) -> bool:
+    return bool(getattr(placement, "is_replicate", lambda: False)())
+
+
+def additive_rule(column: list[tuple[int, Any]]) -> tuple[list[Any], Any] | None:
+    """A :data:`PartialRule` for ``a + alpha * b`` (``add``, ``sub``, ``rsub``).
+
+    ``sum(a_i) + r``: ``r`` is turned into a ``Partial(sum)`` share (on one rank, zeros on the
+    others), so the output is ``Partial(sum)`` with no communication. ``avg(a_i) + r =
+    avg(a_i + r)``. A python scalar (one tensor argument) is added on every rank, so only
+    ``avg`` survives it. ``max``/``min``, mixed kinds and shards are reduced first.
+    """
+    from torch.distributed.tensor import Partial
+
+    placements = [p for _, p in column]
+    kinds = [reduce_op_of(p) for p in placements]
+    if len(placements) == 1:
+        return (placements, placements[0]) if kinds[0] == "avg" else None
+    pending = {k for k in kinds if k is not None}
+    if pending not in ({"sum"}, {"avg"}):
+        return None
+    if not all(k is not None or _is_replicate(p) for k, p in zip(kinds, placements, strict=True)):
+        return None  # a shard on this mesh dim: another candidate follows it
+    if pending == {"avg"}:
+        return placements, Partial("avg")
+    return [Partial("sum")] * len(placements), Partial("sum")

@@ -24,6 +24,9 @@ class OracleOp:
     min_ndim: int = 1
     dtypes: tuple[str, ...] = ("float32",)
     linear: bool = False
+    # Partial inputs drawn too although the op is not linear: it must reduce them first
+    # (gradients are compared for them as well).
+    partial: bool = False
     differentiable: bool = False
     needs_nonempty: bool = False
     # Combinations torch refuses on purpose on some releases (placement, params, shape) -> bool.
@@ -61,6 +64,11 @@ def _copy(x: Any) -> Any:
 
 def _dim(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
     return (p["dim"] % ndim,)
+
+
+def _none(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
+    """Elementwise: works along no dim (shards stay, ``Partial`` is reduced unless linear)."""
+    return ()
 
 
 def _all(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
@@ -328,7 +336,127 @@ ORACLE: dict[str, OracleOp] = {
         None,
         dtypes=("int64",),
     ),
+    # Partial inputs of out-of-place pointwise ops: the pending sum must be reduced first
+    # wherever the op is not linear in it (torch 2.9/2.10 add a scalar once per rank).
+    "partial_add_scalar": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: x + 10 if p["keepdim"] else x.add(p["shift"], alpha=2),
+        _none,
+        differentiable=True,
+        partial=True,
+    ),
+    "partial_sum_plus_scalar": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: x.sum(p["dim"]) + 1.5,
+        None,
+        differentiable=True,
+        partial=True,
+    ),
+    "partial_to_int": OracleOp(
+        "partial_int_cast",
+        lambda x, p: (x * 4).to(torch.int64 if p["keepdim"] else torch.bool),
+        _none,
+        partial=True,
+    ),
+    "partial_to_float": OracleOp(
+        "partial_int_cast",
+        lambda x, p: x.to(torch.float64),
+        _none,
+        differentiable=True,
+        linear=True,
+    ),
+    "partial_add_partial": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: x + x * 0.5 - _like(x, torch.tensor(0.25)),
+        None,
+        differentiable=True,
+        partial=True,
+    ),
+    # Non-linear ops on Partial inputs that torch handles itself on every release: guards for
+    # the in-place handler, which computes through these out-of-place ops.
+    "partial_nonlinear": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: torch.where(x > 0, x.exp(), x.sigmoid()) + x.clamp(-0.5, 0.5).abs() ** 2,
+        None,
+        differentiable=True,
+        partial=True,
+    ),
+    "partial_times_partial": OracleOp(
+        "partial_add_scalar",
+        lambda x, p: x * x - 1 / (x.abs() + 1) + 2 - x,
+        None,
+        differentiable=True,
+        partial=True,
+    ),
+    # Elementwise ops with no strategy on older releases (and their backward ops).
+    "activations": OracleOp(
+        "pointwise_2_10",
+        lambda x, p: _ACTIVATIONS[p["shift"] % len(_ACTIVATIONS)](x),
+        _none,
+        differentiable=True,
+    ),
+    "fmax_fmin_rsub": OracleOp(
+        "pointwise_2_10",
+        lambda x, p: torch.rsub(torch.fmax(x, _row(x)), torch.fmin(_row(x), x)),
+        None,
+        differentiable=True,
+    ),
+    "activation_grads": OracleOp(
+        "activations",
+        lambda x, p: _BACKWARD_ONLY[p["shift"] % len(_BACKWARD_ONLY)](x),
+        _none,
+        differentiable=True,
+        partial=True,
+    ),
+    "glu": OracleOp(
+        "pointwise_2_11",
+        lambda x, p: F.glu(x, p["dim"]),
+        _dim,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "ne_entr": OracleOp(
+        "pointwise_2_11",
+        lambda x, p: (torch.special.entr(x.abs()), x != _row(x)),
+        None,
+        differentiable=True,
+    ),
+    "mv": OracleOp(
+        "mv",
+        lambda x, p: x @ _row(x) if p["keepdim"] else torch.addmv(_row(x.T), x, _row(x)),
+        None,
+        min_ndim=2,
+        linear=True,
+        differentiable=True,
+    ),
 }
+
+_ACTIVATIONS: list[Callable[[Any], Any]] = [
+    lambda t: F.softplus(t, beta=2.0),
+    F.leaky_relu,
+    F.elu,
+    F.celu,
+    F.mish,
+    F.selu,
+]
+
+
+# Their backward ops have no strategy on any release (torch 2.9 to 2.15).
+_BACKWARD_ONLY: list[Callable[[Any], Any]] = [
+    lambda t: F.logsigmoid(t * 2),
+    lambda t: F.relu6(t * 4),
+    lambda t: F.hardswish(t * 4),
+    lambda t: F.hardsigmoid(t * 4),
+    F.hardshrink,
+    F.softshrink,
+    lambda t: F.hardtanh(t, -0.5, 0.5),
+]
+
+
+def _row(x: Any) -> Any:
+    """A table broadcast along every dim but the last (replicated when ``x`` is a DTensor)."""
+    n = x.shape[-1] if x.dim() else 1
+    return _like(x, torch.linspace(-1.0, 1.0, n).reshape(n) if x.dim() else torch.tensor(0.5))
 
 
 def make_input(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:

@@ -81,15 +81,21 @@ def evaluate(
     plain = make_input(shape, dtype, seed)
     parsed = [parse_placement(p) for p in placements]
     if any(isinstance(p, Partial) for p in parsed):
-        n = dist.get_world_size()
-        share = plain * (dist.get_rank() + 1) * 2 / (n * (n + 1))
+        n, rank = dist.get_world_size(), dist.get_rank()
+        if op.partial:
+            # Shares of both signs (rank 0: x + d, the others -d / (n - 1)), so that an op
+            # applied to each share before the reduction (abs, clamp, + scalar) shows.
+            d = make_input(shape, dtype, seed + 1)
+            share = plain + d if rank == 0 else -d / (n - 1)
+        else:
+            share = plain * (rank + 1) * 2 / (n * (n + 1))
         dx = DTensor.from_local(share, mesh, parsed, run_check=False)
     else:
         dx = distribute_tensor(plain, mesh, parsed)
     grads = (
         op.differentiable
         and plain.is_floating_point()
-        and not any(isinstance(p, Partial) for p in parsed)
+        and (op.partial or not any(isinstance(p, Partial) for p in parsed))
     )
     if grads:
         dx = dx.detach().requires_grad_()
@@ -129,7 +135,7 @@ def examples(draw: st.DrawFn, op_name: str, mesh_shape: tuple[int, ...]) -> dict
     shape = tuple(draw(st.lists(st.integers(low, 6), min_size=ndim, max_size=ndim)))
     dtype = draw(st.sampled_from(op.dtypes))
     choices = ["R"] + [f"S{d}" for d in range(ndim)]
-    if op.linear and dtype in ("float32", "bfloat16") and len(mesh_shape) == 1:
+    if (op.linear or op.partial) and dtype in ("float32", "bfloat16") and len(mesh_shape) == 1:
         choices.append("P")
     placements = [draw(st.sampled_from(choices)) for _ in mesh_shape]
     params = {
@@ -140,6 +146,10 @@ def examples(draw: st.DrawFn, op_name: str, mesh_shape: tuple[int, ...]) -> dict
     }
     if op.refused is not None:
         assume(not any(op.refused(p, params, shape) for p in placements))
+    if op_name == "mv":
+        assume(ndim == 2)
+    if op_name == "glu":
+        assume(shape[params["dim"] % ndim] % 2 == 0)
     if op_name == "unfold":
         assume(shape[params["dim"] % ndim] >= 1 + params["shift"] % 2)
     seed = draw(st.integers(0, 2**16))

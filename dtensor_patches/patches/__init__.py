@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dtensor_patches.patch import Patch
 from dtensor_patches.patches import (
+    activations,
     alias,
     argmax_all,
     count_nonzero,
@@ -17,8 +18,13 @@ from dtensor_patches.patches import (
     max_min_indices,
     mean_uneven,
     mse_loss,
+    mv,
     nansum,
     order_stats,
+    partial_add_scalar,
+    partial_int_cast,
+    pointwise_2_10,
+    pointwise_2_11,
     pointwise_gaps,
     reductions_2_9,
     scans,
@@ -54,6 +60,12 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     stack_dim.PATCH,
     argmax_all.PATCH,
     nansum.PATCH,
+    partial_add_scalar.PATCH,
+    partial_int_cast.PATCH,
+    pointwise_2_10.PATCH,
+    pointwise_2_11.PATCH,
+    activations.PATCH,
+    mv.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
