@@ -39,6 +39,7 @@ __all__ = [
     "dtensor_types",
     "has_native_handler",
     "has_native_strategy",
+    "local_shape_and_offset",
     "local_tensor",
     "register_custom_handler",
     "register_strategy",
@@ -304,3 +305,31 @@ def local_tensor(dtensor: Any) -> torch.Tensor:
         PatchError: the attribute moved.
     """
     return _attr(dtensor, "_local_tensor", "DTensor._local_tensor")
+
+
+def local_shape_and_offset(
+    global_shape: Iterable[int], mesh: Any, placements: Iterable[Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's local shape and the global offset of its block, per tensor dim.
+
+    Wraps ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (same
+    signature 2.9 to 2.15; 2.10 adds an optional ``skip_offset``), which cuts shards exactly as
+    DTensor does (uneven and empty last shards, several mesh dims sharding one tensor dim).
+
+    Raises:
+        PatchError: the helper moved.
+    """
+    try:
+        from torch.distributed.tensor import _utils
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor._utils",
+            internal="torch.distributed.tensor._utils",
+        ) from exc
+    compute = _attr(
+        _utils,
+        "compute_local_shape_and_global_offset",
+        "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+    )
+    shape, offset = compute(tuple(global_shape), mesh, tuple(placements))
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
