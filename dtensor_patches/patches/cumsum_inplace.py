@@ -30,7 +30,10 @@ def cumsum_inplace(op_call: Any, args: Any, kwargs: Any) -> Any:
     from torch.distributed.tensor import Replicate
 
     target = args[0]
-    out = torch.ops.aten.cumsum.default(*args, **kwargs)
+    # A non-negative dim: torch 2.9 to 2.13's cumsum strategy mistakes a negative dim for an
+    # unsharded one (see the cumsum_negative_dim patch), and this must not depend on it.
+    dim = int(args[1]) % max(target.ndim, 1)
+    out = torch.ops.aten.cumsum.default(target, dim, *args[2:], **kwargs)
     placements = tuple(target.placements)
     if tuple(out.placements) == placements:
         block = compat.local_tensor(out)
