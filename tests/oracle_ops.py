@@ -324,6 +324,8 @@ ORACLE: dict[str, OracleOp] = {
         dtypes=("float32", "int64"),
         linear=True,
         differentiable=True,
+        # Non-empty: distribute_tensor itself fails on 2.9 for Shard(0) of shape (1, 0).
+        needs_nonempty=True,
     ),
     "cumsum_": OracleOp(
         "cumsum_inplace",
@@ -331,6 +333,8 @@ ORACLE: dict[str, OracleOp] = {
         _keep,
         dtypes=("float32", "int64"),
         differentiable=True,
+        # Non-empty: distribute_tensor itself fails on 2.9 for Shard(0) of shape (1, 0).
+        needs_nonempty=True,
     ),
 }
 
