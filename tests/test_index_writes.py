@@ -205,6 +205,14 @@ def test_functional_indexed_writes_and_gradients(pool2: RankPool) -> None:
         assert problems == [], f"rank {rank}: {problems}"
 
 
+def _index_like(x: Any, index: torch.Tensor, placement: Any) -> Any:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(x, DTensor):
+        return distribute_tensor(index, x.device_mesh, [placement])
+    return index
+
+
 def _getitem_results() -> list[str]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -233,6 +241,11 @@ def _getitem_results() -> list[str]:
         ("x[row_mask]", lambda x: x[row_mask], {Shard(1): Shard(1), Shard(0): Replicate()}),
         ("x[x > 0]", lambda x: x[x > 0], {Shard(1): Replicate(), Replicate(): Replicate()}),
         ("x[..., [2]]", lambda x: x[..., [2]], {Shard(1): Shard(1), Partial(): Partial()}),
+        (
+            "x[:, idx] with idx a Shard(0) DTensor",
+            lambda x: x[:, _index_like(x, torch.tensor([[3, 0], [1, 1], [2, 3]]), Shard(0))],
+            {Replicate(): Shard(1), Shard(0): Shard(0), Shard(2): Shard(3)},
+        ),
     ]
     with dtensor_patches.patched():
         for label, fn, promised in cases:

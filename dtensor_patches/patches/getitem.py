@@ -17,7 +17,10 @@ right on every rank). Then:
 - ``Shard(d)`` of ``x`` on a dim that is not indexed stays sharded (on its position in the
   output) with no communication;
 - ``Shard(d)`` on an indexed dim is gathered (``Replicate()`` output);
-- ``Partial()`` stays ``Partial()`` (selecting entries is linear).
+- ``Partial()`` stays ``Partial()`` (selecting entries is linear);
+- integer DTensor indices of one shape sharded alike stay sharded where ``x`` is replicated
+  (the output is sharded on the matching index dim, as torch's own strategy does); other
+  DTensor indices are gathered.
 """
 
 from __future__ import annotations
@@ -48,19 +51,46 @@ def _integer_indices(indices: list[Any]) -> list[torch.Tensor | None]:
     return out
 
 
-def _output_dim(dim: int, indices: list[torch.Tensor | None]) -> int:
-    """Where the unindexed input dim ``dim`` lands in the output of advanced indexing.
-
-    Index tensors broadcast to ``B`` dims. When the indexed dims are adjacent, those ``B`` dims
-    replace them in place; otherwise they go first and the unindexed dims follow in order.
-    """
+def _layout(indices: list[Any]) -> tuple[list[int], int, int]:
+    """(indexed input dims, broadcast ndim ``B`` of the index tensors, first output dim of the
+    ``B`` index dims). When the indexed dims are adjacent, the ``B`` dims replace them in
+    place; otherwise they go first and the unindexed dims follow in order."""
     indexed = [i for i, t in enumerate(indices) if t is not None]
     if not indexed:
+        return indexed, 0, 0
+    broadcast = len(torch.broadcast_shapes(*(tuple(indices[i].shape) for i in indexed)))
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    return indexed, broadcast, indexed[0] if adjacent else 0
+
+
+def _output_dim(dim: int, indices: list[Any]) -> int:
+    """Where the unindexed input dim ``dim`` lands in the output of advanced indexing."""
+    indexed, broadcast, _ = _layout(indices)
+    if not indexed:
         return dim
-    broadcast = len(torch.broadcast_shapes(*(indices[i].shape for i in indexed)))
     if indexed == list(range(indexed[0], indexed[-1] + 1)):
         return dim if dim < indexed[0] else dim - len(indexed) + broadcast
     return broadcast + dim - sum(1 for i in indexed if i < dim)
+
+
+def _sharded_alike(indices: list[Any]) -> Any:
+    """The placements of the index tensors when all are integer DTensors of one shape placed
+    alike (they can then stay sharded where ``x`` is replicated), else ``None``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    present = [i for i in indices if i is not None]
+    if not present or not all(isinstance(i, DTensor) for i in present):
+        return None
+    first = present[0]
+    if any(i.dtype in (torch.bool, torch.uint8) for i in present):
+        return None
+    if any(
+        i.shape != first.shape or tuple(i.placements) != tuple(first.placements) for i in present
+    ):
+        return None
+    if not all(is_shard(p) or isinstance(p, Replicate) for p in first.placements):
+        return None
+    return tuple(first.placements)
 
 
 def index_handler(op_call: Any, args: Any, kwargs: Any) -> Any:
@@ -79,27 +109,48 @@ def index_handler(op_call: Any, args: Any, kwargs: Any) -> Any:
         # x[True] adds a dim of size 0/1: rare; gathered and computed once.
         out = op_call(x.full_tensor(), [None if i is None else _gathered(i) for i in indices])
         return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    integer = _integer_indices(indices)
-    indexed = {i for i, t in enumerate(integer) if t is not None}
+    index_placements = _sharded_alike(indices)
+    # Either DTensor indices that may stay sharded, or gathered integer indices.
+    integer: list[Any] = indices if index_placements is not None else _integer_indices(indices)
+    indexed, broadcast, first = _layout(integer)
+    index_ndim = max((integer[i].ndim for i in indexed), default=0)
     ndim = max(x.ndim, 1)
-    needed, out_placements = [], []
-    for p in x.placements:
+    x_needed, index_needed, out_placements = [], [], []
+    for m, p in enumerate(x.placements):
+        q = index_placements[m] if index_placements is not None else Replicate()
         if is_shard(p) and p.dim % ndim not in indexed:
-            needed.append(p)
+            x_needed.append(p)
+            index_needed.append(Replicate())
             out_placements.append(Shard(_output_dim(p.dim % ndim, integer)))
-        elif isinstance(p, Partial):
-            needed.append(p)
+        elif isinstance(p, Partial):  # selecting entries is linear
+            x_needed.append(p)
+            index_needed.append(Replicate())
             out_placements.append(p)
+        elif is_shard(q):  # x replicated here: the index shard picks its own output rows
+            x_needed.append(Replicate())
+            index_needed.append(q)
+            out_placements.append(Shard(first + broadcast - index_ndim + q.dim))
         else:
-            needed.append(Replicate())
+            x_needed.append(Replicate())
+            index_needed.append(Replicate())
             out_placements.append(Replicate())
-    if tuple(needed) != tuple(x.placements):
-        x = x.redistribute(mesh, needed)
-    local = op_call(compat.local_tensor(x), integer)
-    # The global shape, from the same indexing on a meta tensor (integer indices: shape only).
+    if tuple(x_needed) != tuple(x.placements):
+        x = x.redistribute(mesh, x_needed)
+    if index_placements is not None:
+        local_indices = [
+            None if i is None else compat.local_tensor(i.redistribute(mesh, index_needed))
+            for i in integer
+        ]
+    else:
+        local_indices = integer
+    local = op_call(compat.local_tensor(x), local_indices)
+    # The global shape, from the same indexing on meta tensors (integer indices: shape only).
     meta = op_call(
         torch.empty(x.shape, dtype=x.dtype, device="meta"),
-        [None if t is None else t.to("meta") for t in integer],
+        [
+            None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for t in integer
+        ],
     )
     return DTensor.from_local(
         local, mesh, out_placements, run_check=False, shape=meta.shape, stride=meta.stride()
