@@ -41,6 +41,7 @@ __all__ = [
     "dtensor_types",
     "has_native_handler",
     "has_native_strategy",
+    "local_shape_and_offset",
     "local_tensor",
     "register_custom_handler",
     "register_strategy",
@@ -372,3 +373,31 @@ def view_geometry_is_global() -> bool:
     offset 6); on 2.9 every DTensor view reports offset 0.
     """
     return torch_release() >= Version("2.10")
+
+
+def local_shape_and_offset(
+    global_shape: Iterable[int], mesh: Any, placements: Iterable[Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's local shape and the global offset of its block, per tensor dim.
+
+    Wraps ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (same
+    signature 2.9 to 2.15; 2.10 adds an optional ``skip_offset``), which cuts shards exactly as
+    DTensor does (uneven and empty last shards, several mesh dims sharding one tensor dim).
+
+    Raises:
+        PatchError: the helper moved.
+    """
+    try:
+        from torch.distributed.tensor import _utils
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor._utils",
+            internal="torch.distributed.tensor._utils",
+        ) from exc
+    compute = _attr(
+        _utils,
+        "compute_local_shape_and_global_offset",
+        "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+    )
+    shape, offset = compute(tuple(global_shape), mesh, tuple(placements))
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)

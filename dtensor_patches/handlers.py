@@ -81,8 +81,10 @@ def shard_of(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
 
     placements = tuple(placements)
     shard_only = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    # Detached: on 2.9 a ``full`` that requires grad makes from_local's autograd wrapper call
+    # aten.detach_ on a DTensor, which has no strategy there.
     local = (
-        DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        DTensor.from_local(full.detach(), mesh, [Replicate()] * mesh.ndim, run_check=False)
         .redistribute(mesh, shard_only)
         .to_local()
     )

@@ -94,6 +94,67 @@ def _squeeze_refused(placement: str, p: dict[str, Any], shape: tuple[int, ...]) 
     return torch_release().minor >= 12 and dim is not None and shape[dim] == 1
 
 
+def _keep(p: dict[str, Any], ndim: int) -> tuple[int, ...]:
+    """In-place writes (on a copy of ``x`` here) keep ``x``'s placements: no dim is consumed."""
+    return ()
+
+
+def _rows(x: Any, p: dict[str, Any]) -> tuple[int, list[int]]:
+    """The drawn dim and a 1-D index along it with repeats: last, first, last."""
+    d = p["dim"] % x.ndim
+    n = x.shape[d]
+    return d, [n - 1, 0, n - 1]
+
+
+def _ints(shape: tuple[int, ...], high: int, seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, max(high, 1), shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _source(x: Any, shape: tuple[int, ...]) -> Any:
+    n = 1
+    for size in shape:
+        n *= size
+    return _like(x, torch.arange(n, dtype=torch.float32).reshape(shape).to(x.dtype) / 7 - 1)
+
+
+def _getitem(x: Any, p: dict[str, Any]) -> Any:
+    d, rows = _rows(x, p)
+    return x[(slice(None),) * d + (rows,)]
+
+
+def _index_add_(x: Any, p: dict[str, Any]) -> Any:
+    d, rows = _rows(x, p)
+    shape = tuple(3 if i == d else s for i, s in enumerate(x.shape))
+    return x.clone().index_add_(d, _like(x, torch.tensor(rows)), _source(x, shape), alpha=2)
+
+
+def _index_fill_(x: Any, p: dict[str, Any]) -> Any:
+    d, rows = _rows(x, p)
+    return x.clone().index_fill_(d, _like(x, torch.tensor(rows[:2])), -1)
+
+
+def _scatter_add_(x: Any, p: dict[str, Any]) -> Any:
+    d = p["dim"] % x.ndim
+    index = _like(x, _ints(tuple(x.shape), x.shape[d]))
+    return x.clone().scatter_add_(d, index, _source(x, tuple(x.shape)))
+
+
+_REDUCE = {"none": "amax", "mean": "mean", "sum": "sum"}
+
+
+def _scatter_reduce(x: Any, p: dict[str, Any]) -> Any:
+    d = p["dim"] % x.ndim
+    index = _like(x, _ints(tuple(x.shape), x.shape[d]))
+    return torch.scatter_reduce(
+        x, d, index, _source(x, tuple(x.shape)), _REDUCE[p["reduction"]], include_self=p["keepdim"]
+    )
+
+
+def _put_(x: Any, p: dict[str, Any]) -> Any:
+    index = _like(x, _ints((4,), x.numel()))
+    return x.clone().put_(index, _source(x, (4,)), accumulate=True)
+
+
 ORACLE: dict[str, OracleOp] = {
     "max_dim": OracleOp(
         "max_min_indices",
@@ -428,6 +489,51 @@ ORACLE: dict[str, OracleOp] = {
         min_ndim=2,
         linear=True,
         differentiable=True,
+    ),
+    # Indexing and indexed writes: the in-place ops run on a copy of x (gradients flow to x).
+    # No Partial() for those: clone() reduces it on some releases; test_index_writes.py
+    # covers in-place writes into Partial() tensors.
+    "getitem": OracleOp(
+        "getitem",
+        _getitem,
+        _dim,
+        dtypes=("float32", "int64", "bool"),
+        linear=True,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "getitem_mask": OracleOp(
+        "getitem", lambda x, p: x[x > 0], None, dtypes=("float32", "int64"), differentiable=True
+    ),
+    "index_add_": OracleOp(
+        "index_writes", _index_add_, _keep, differentiable=True, needs_nonempty=True
+    ),
+    "index_fill_": OracleOp(
+        "index_writes", _index_fill_, _keep, dtypes=("float32", "int64"), needs_nonempty=True
+    ),
+    "scatter_add_": OracleOp(
+        "index_writes", _scatter_add_, _keep, differentiable=True, needs_nonempty=True
+    ),
+    "scatter_reduce": OracleOp("index_writes", _scatter_reduce, _keep, needs_nonempty=True),
+    "put_": OracleOp("index_writes", _put_, _keep, needs_nonempty=True),
+    "cumsum": OracleOp(
+        "cumsum_negative_dim",
+        lambda x, p: torch.cumsum(x, p["dim"]),
+        _dim,
+        dtypes=("float32", "int64"),
+        linear=True,
+        differentiable=True,
+        # Non-empty: distribute_tensor itself fails on 2.9 for Shard(0) of shape (1, 0).
+        needs_nonempty=True,
+    ),
+    "cumsum_": OracleOp(
+        "cumsum_inplace",
+        lambda x, p: x.clone().cumsum_(p["dim"]),
+        _keep,
+        dtypes=("float32", "int64"),
+        differentiable=True,
+        # Non-empty: distribute_tensor itself fails on 2.9 for Shard(0) of shape (1, 0).
+        needs_nonempty=True,
     ),
 }
 
