@@ -41,8 +41,11 @@ __all__ = [
     "dtensor_types",
     "has_native_handler",
     "has_native_strategy",
+    "has_single_dim_strategy",
     "local_shape_and_offset",
     "local_tensor",
+    "merge_snapshots",
+    "out_variant",
     "register_custom_handler",
     "register_strategy",
     "registry_state",
@@ -166,6 +169,36 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
         ) from exc
 
 
+def out_variant(name: str) -> str | None:
+    """The ``out=`` overload of a functional op, e.g. ``"aten.cumprod.default"`` ->
+    ``"aten.cumprod.out"``, ``"aten.kthvalue.default"`` -> ``"aten.kthvalue.values"``.
+
+    An overload qualifies when its non-out arguments match the functional's (names and
+    types, in order) and it has exactly one out argument: with several (``kthvalue.values``),
+    DTensor was measured to leave the out tensors' placements stale (silently wrong), so those
+    are not offered. ``None`` when there is none (or ``name`` is itself in-place or out=).
+
+    Raises:
+        PatchError: ``name`` does not exist in this torch.
+    """
+    op = resolve_op(name)
+    schema = op._schema
+    if any(a.is_out for a in schema.arguments) or any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    ):
+        return None
+    wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    namespace, packet, _ = name.split(".")
+    packet_obj = getattr(getattr(torch.ops, namespace), packet)
+    for overload in packet_obj.overloads():
+        candidate = getattr(packet_obj, overload)._schema
+        outs = [a for a in candidate.arguments if a.is_out]
+        rest = [(a.name, str(a.type)) for a in candidate.arguments if not a.is_out]
+        if len(outs) == 1 and rest == wanted:
+            return f"{namespace}.{packet}.{overload}"
+    return None
+
+
 # The propagator/dispatcher dicts whose entries for an op decide how DTensor runs it.
 # (owner, attribute, required): tables that not every supported release has are optional.
 REGISTRY_TABLES: tuple[tuple[str, str, bool], ...] = (
@@ -240,6 +273,16 @@ def has_native_strategy(op: Any) -> bool:
         )
         if name in tables
     )
+
+
+def has_single_dim_strategy(op: Any) -> bool:
+    """Whether ``op`` has a single-dim strategy (2.11+), which shadows ``op_strategy_funcs``."""
+    return op in getattr(sharding_propagator(), "op_single_dim_strategy_funcs", {})
+
+
+def merge_snapshots(first: RegistrySnapshot, second: RegistrySnapshot) -> RegistrySnapshot:
+    """One snapshot holding both; where both recorded an entry, ``first``'s (older) wins."""
+    return RegistrySnapshot({**second.entries, **first.entries})
 
 
 def has_native_handler(op: Any) -> bool:

@@ -86,6 +86,11 @@ class Patch:
         overrides_existing: ``True`` for fixes that replace a strategy torch already registers
             (wrong-result backports). Without it, an op that already has a strategy is never
             overridden and the patch is reported as skipped.
+        out_variants: also register each strategy for its op's ``out=`` overload
+            (``cumprod.out``, ``logsumexp.out``, ``mean.out``…, found by
+            :func:`dtensor_patches.compat.out_variant`) where torch has none, or where the patch
+            overrides torch's. DTensor runs an ``out=`` call like the functional one and gives
+            the ``out`` DTensor the output placements.
     """
 
     name: str
@@ -98,6 +103,7 @@ class Patch:
     upstream_fix: str | None = None
     replicates: bool = False
     overrides_existing: bool = False
+    out_variants: bool = True
     _snapshot: compat.RegistrySnapshot | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -160,14 +166,22 @@ class Patch:
             keep_native = set() if self.overrides_existing else set(self.native_ops())
             snap = compat.snapshot(ops)
             try:
-                for registration in self.registrations():
+                registrations = list(self.registrations())
+                for registration in registrations:
                     if registration.op not in self.ops:
                         raise PatchError(
                             f"patch {self.name!r} registers {registration.op}, "
                             "which is not in its ops list"
                         )
+                derived = self._out_variant_registrations(registrations, keep_native)
+                snap = compat.merge_snapshots(
+                    snap, compat.snapshot([compat.resolve_op(r.op) for r in derived])
+                )
+                for registration in registrations:
                     if registration.op not in keep_native:
                         registration.install()
+                for registration in derived:
+                    registration.install()
                 compat.clear_sharding_caches()
             except BaseException as exc:
                 compat.restore(snap)
@@ -178,6 +192,28 @@ class Patch:
             self._snapshot = snap
             log.info("dtensor_patches: applied %s (%s)", self.name, ", ".join(self.ops))
             return True
+
+    def _out_variant_registrations(
+        self, registrations: Sequence[Registration], keep_native: set[str]
+    ) -> list[Strategy]:
+        """Strategies for the ``out=`` overloads of this patch's strategy ops (see
+        ``out_variants``); ops listed in ``ops`` are the patch's own business."""
+        if not self.out_variants:
+            return []
+        derived = []
+        for registration in registrations:
+            if not isinstance(registration, Strategy) or registration.op in keep_native:
+                continue
+            name = compat.out_variant(registration.op)
+            if name is None or name in self.ops:
+                continue
+            op = compat.resolve_op(name)
+            if compat.has_single_dim_strategy(op):
+                continue  # would be ignored by DTensor (2.11+): torch's stays in charge
+            if compat.has_native_strategy(op) and not self.overrides_existing:
+                continue
+            derived.append(Strategy(name, registration.fn, registration.schema_info))
+        return derived
 
     def revert(self) -> bool:
         """Restore the registry entries of this patch's ops exactly as before :meth:`apply`.
