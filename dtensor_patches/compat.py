@@ -40,6 +40,7 @@ __all__ = [
     "has_native_handler",
     "has_native_strategy",
     "local_tensor",
+    "op_arguments",
     "register_custom_handler",
     "register_strategy",
     "registry_state",
@@ -304,3 +305,27 @@ def local_tensor(dtensor: Any) -> torch.Tensor:
         PatchError: the attribute moved.
     """
     return _attr(dtensor, "_local_tensor", "DTensor._local_tensor")
+
+
+def op_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of ``op``'s schema by name, as called (defaults filled in), in order.
+
+    Handlers use it to read and rewrite arguments such as ``reduction`` whether they were
+    passed positionally, by keyword or left at their default.
+
+    Raises:
+        PatchError: ``OpOverload._schema`` moved.
+        TypeError: a required argument is missing.
+    """
+    schema = _attr(op, "_schema", "OpOverload._schema")
+    bound: dict[str, Any] = {}
+    for i, argument in enumerate(schema.arguments):
+        if i < len(args):
+            bound[argument.name] = args[i]
+        elif argument.name in kwargs:
+            bound[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            bound[argument.name] = argument.default_value
+        else:
+            raise TypeError(f"{op}: missing argument {argument.name!r}")
+    return bound

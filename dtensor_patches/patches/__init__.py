@@ -8,6 +8,7 @@ from dtensor_patches.patches import (
     alias,
     count_nonzero,
     data_dependent,
+    elementwise_losses,
     fill_tensor,
     flip_roll,
     index_put,
@@ -16,6 +17,7 @@ from dtensor_patches.patches import (
     max_min_indices,
     mean_uneven,
     mse_loss,
+    nll_loss,
     order_stats,
     pointwise_gaps,
     reductions_2_9,
@@ -48,6 +50,8 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     mean_uneven.PATCH,
     max_min_indices.PATCH,
     squeeze.PATCH,
+    elementwise_losses.PATCH,
+    nll_loss.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
