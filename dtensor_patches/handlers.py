@@ -145,13 +145,16 @@ def _local(value: Any, mesh: Any, placements: Any) -> Any:
 
 def _aligned(placements: Any, shape: torch.Size, other: torch.Size) -> list[Any]:
     """Placements of a tensor of shape ``other`` broadcast against ``shape`` sharded as
-    ``placements``: sharded on the dim aligned from the right, replicated where it broadcasts."""
+    ``placements``: sharded on the dim aligned from the right, replicated where it broadcasts
+    (size 1 along a longer dim, or missing)."""
     from torch.distributed.tensor import Replicate, Shard
 
     out = []
     for p in placements:
         dim = p.dim - (len(shape) - len(other)) if is_shard(p) else -1
-        out.append(Shard(dim) if dim >= 0 and int(other[dim]) != 1 else Replicate())
+        # Same size as the sharded dim: cut alike (also when both are 1); else it broadcasts.
+        same = dim >= 0 and int(other[dim]) == int(shape[p.dim])
+        out.append(Shard(dim) if same else Replicate())
     return out
 
 

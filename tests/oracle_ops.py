@@ -262,14 +262,14 @@ ORACLE: dict[str, OracleOp] = {
         differentiable=True,
         needs_nonempty=True,
     ),
-    # Labels from the input itself (argmax over classes), so they are sharded like its batch;
-    # ``shift`` doubles as ``ignore_index`` (hits a real class when 0..C-1), ``keepdim``
-    # switches class weights on.
+    # Labels (0 or 1) from the input itself, so that they are sharded like its batch dims
+    # (not argmax: torch's own argmax handler hangs on empty shards); ``shift`` doubles as
+    # ``ignore_index`` (hits a real label when 0 or 1), ``keepdim`` switches class weights on.
     "cross_entropy": OracleOp(
         "nll_loss",
         lambda x, p: F.cross_entropy(
             x,
-            x.detach().argmax(1),
+            (x.detach().sum(1) > 0).long() * min(1, x.shape[1] - 1),
             weight=_like(x, torch.linspace(0.5, 2.0, x.shape[1])) if p["keepdim"] else None,
             ignore_index=p["shift"],
             reduction=p["reduction"],
