@@ -45,6 +45,7 @@ __all__ = [
     "local_shape_and_offset",
     "local_tensor",
     "merge_snapshots",
+    "op_arguments",
     "out_variant",
     "register_custom_handler",
     "register_strategy",
@@ -444,3 +445,27 @@ def local_shape_and_offset(
     )
     shape, offset = compute(tuple(global_shape), mesh, tuple(placements))
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+def op_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of ``op``'s schema by name, as called (defaults filled in), in order.
+
+    Handlers use it to read and rewrite arguments such as ``reduction`` whether they were
+    passed positionally, by keyword or left at their default.
+
+    Raises:
+        PatchError: ``OpOverload._schema`` moved.
+        TypeError: a required argument is missing.
+    """
+    schema = _attr(op, "_schema", "OpOverload._schema")
+    bound: dict[str, Any] = {}
+    for i, argument in enumerate(schema.arguments):
+        if i < len(args):
+            bound[argument.name] = args[i]
+        elif argument.name in kwargs:
+            bound[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            bound[argument.name] = argument.default_value
+        else:
+            raise TypeError(f"{op}: missing argument {argument.name!r}")
+    return bound

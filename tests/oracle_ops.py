@@ -387,6 +387,65 @@ ORACLE: dict[str, OracleOp] = {
         differentiable=True,
         needs_nonempty=True,
     ),
+    # The target is derived from the drawn input so that it has the input's placements.
+    "smooth_l1_loss": OracleOp(
+        "elementwise_losses",
+        lambda x, p: F.smooth_l1_loss(
+            x, x.detach() * -0.5 + 0.25, reduction=p["reduction"], beta=0.5
+        ),
+        None,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "huber_loss": OracleOp(
+        "elementwise_losses",
+        lambda x, p: F.huber_loss(x, x.detach() * -0.5 + 0.25, reduction=p["reduction"], delta=0.5),
+        None,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "soft_margin_loss": OracleOp(
+        "elementwise_losses",
+        lambda x, p: F.soft_margin_loss(x, torch.sign(x.detach() - 0.3), reduction=p["reduction"]),
+        None,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "binary_cross_entropy": OracleOp(
+        "elementwise_losses",
+        lambda x, p: F.binary_cross_entropy(
+            torch.sigmoid(x), torch.sigmoid(x.detach() * 2), reduction=p["reduction"]
+        ),
+        None,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    "bce_with_logits": OracleOp(
+        "elementwise_losses",
+        lambda x, p: F.binary_cross_entropy_with_logits(
+            x, torch.sigmoid(x.detach() * -2), reduction=p["reduction"]
+        ),
+        None,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
+    # Labels (0 or 1) from the input itself, so that they are sharded like its batch dims
+    # (not argmax: torch's own argmax handler hangs on empty shards); ``shift`` doubles as
+    # ``ignore_index`` (hits a real label when 0 or 1), ``keepdim`` switches class weights on.
+    "cross_entropy": OracleOp(
+        "nll_loss",
+        lambda x, p: F.cross_entropy(
+            x,
+            (x.detach().sum(1) > 0).long() * min(1, x.shape[1] - 1),
+            weight=_like(x, torch.linspace(0.5, 2.0, x.shape[1])) if p["keepdim"] else None,
+            ignore_index=p["shift"],
+            reduction=p["reduction"],
+        ),
+        None,
+        min_ndim=2,
+        differentiable=True,
+        needs_nonempty=True,
+    ),
     "nonzero": OracleOp(
         "data_dependent", lambda x, p: torch.nonzero(x > 0), None, dtypes=("float32", "int64")
     ),

@@ -12,6 +12,7 @@ from dtensor_patches.patches import (
     cumsum_inplace,
     cumsum_negative_dim,
     data_dependent,
+    elementwise_losses,
     flip_roll,
     getitem,
     index_functional,
@@ -25,6 +26,7 @@ from dtensor_patches.patches import (
     mse_loss,
     mv,
     nansum,
+    nll_loss,
     order_stats,
     partial_add_scalar,
     partial_int_cast,
@@ -76,6 +78,8 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     pointwise_2_11.PATCH,
     activations.PATCH,
     mv.PATCH,
+    elementwise_losses.PATCH,
+    nll_loss.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
