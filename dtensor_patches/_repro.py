@@ -8,7 +8,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Case", "compare", "failure_of", "parse_placement", "randn", "run_case", "run_cases"]
+__all__ = [
+    "Case",
+    "compare",
+    "failure_of",
+    "loss_and_grad",
+    "parse_placement",
+    "randn",
+    "run_case",
+    "run_cases",
+]
 
 
 def failure_of(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -129,6 +138,18 @@ def run_cases(mesh: Any, cases: Sequence[Case]) -> str | None:
         if problem is not None:
             return problem
     return None
+
+
+def loss_and_grad(loss: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """``loss(x, *rest)`` -> ``(value, d value.sum() / d x)``: a case that checks both."""
+
+    def run(x: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.detach().requires_grad_()
+        value = loss(x, *rest)
+        (grad,) = torch.autograd.grad(value.sum(), [x])
+        return value.detach(), grad
+
+    return run
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:

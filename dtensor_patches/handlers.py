@@ -35,6 +35,7 @@ from dtensor_patches import compat
 from dtensor_patches.strategies import is_shard
 
 __all__ = [
+    "contiguous_stride",
     "elementwise_loss",
     "full_tensor",
     "inplace_through_full",
@@ -42,6 +43,18 @@ __all__ = [
     "replicated_result",
     "shard_of",
 ]
+
+
+def contiguous_stride(shape: Any) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``shape`` (size-0 dims count as 1, as ATen does).
+
+    For ``DTensor.from_local(..., shape=, stride=)`` when a handler builds a global result.
+    """
+    stride, running = [], 1
+    for size in reversed(tuple(shape)):
+        stride.append(running)
+        running *= max(int(size), 1)
+    return tuple(reversed(stride))
 
 
 def _dtensor_class() -> Any:

@@ -27,16 +27,9 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches import compat
 from dtensor_patches._repro import Case, randn, run_cases
+from dtensor_patches.handlers import contiguous_stride
 from dtensor_patches.patch import Handler, Patch
 from dtensor_patches.strategies import is_shard
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(int(size), 1)
-    return tuple(reversed(stride))
 
 
 def _along_dim(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
@@ -66,7 +59,7 @@ def _along_dim(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
         out_placements,
         run_check=False,
         shape=size,
-        stride=_contiguous_stride(size),
+        stride=contiguous_stride(size),
     )
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from packaging.specifiers import SpecifierSet
 
-from dtensor_patches._repro import Case, randn, run_cases
+from dtensor_patches._repro import Case, loss_and_grad, randn, run_cases
 from dtensor_patches.handlers import elementwise_loss
 from dtensor_patches.patch import Handler, Patch
 
@@ -49,16 +49,6 @@ OPS = (
 
 def _registrations() -> list[Handler]:
     return [Handler(op, elementwise_loss) for op in OPS]
-
-
-def _loss_and_grad(loss: Callable[..., torch.Tensor]) -> Callable[..., Any]:
-    def run(x: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.detach().requires_grad_()
-        value = loss(x, *rest)
-        (grad,) = torch.autograd.grad(value.sum(), [x])
-        return value.detach(), grad
-
-    return run
 
 
 def _probabilities(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -95,7 +85,7 @@ def _case(name: str, reduction: str, shape: tuple[int, ...], placement: str) -> 
     loss, make_input, make_target = _LOSSES[name]
     return Case(
         f"{name}({reduction}) {'x'.join(map(str, shape))} {placement} + grad",
-        _loss_and_grad(lambda x, y: loss(x, y, reduction)),
+        loss_and_grad(lambda x, y: loss(x, y, reduction)),
         lambda: [make_input(*shape), make_target(*shape, seed=1)],
         [placement, placement],
     )
@@ -110,7 +100,7 @@ CASES = [
     *(_case(name, "none", (5, 3), "S0") for name in _LOSSES),
     Case(
         "binary_cross_entropy_with_logits(mean) weight, pos_weight broadcast, Shard(1)",
-        _loss_and_grad(
+        loss_and_grad(
             lambda x, y, w, pw: F.binary_cross_entropy_with_logits(x, y, weight=w, pos_weight=pw)
         ),
         lambda: [randn(5, 3), _probabilities(5, 3, seed=1), randn(1, 3, seed=2), randn(3).abs()],

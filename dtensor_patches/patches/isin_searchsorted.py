@@ -26,7 +26,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches import compat
 from dtensor_patches._repro import Case, randn, run_cases
-from dtensor_patches.handlers import full_tensor, replicated_result
+from dtensor_patches.handlers import contiguous_stride, full_tensor, replicated_result
 from dtensor_patches.patch import Handler, Patch, Strategy
 from dtensor_patches.strategies import is_shard, schema_info, uniform_strategy
 
@@ -62,16 +62,8 @@ def _searchsorted(op_call: Any, args: Any, kwargs: Any) -> Any:
         placements,
         run_check=False,
         shape=values.shape,
-        stride=_contiguous_stride(values.shape),  # the kernel's output is contiguous
+        stride=contiguous_stride(values.shape),  # the kernel's output is contiguous
     )
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(int(size), 1)
-    return tuple(reversed(stride))
 
 
 def _registrations() -> list[Strategy | Handler]:

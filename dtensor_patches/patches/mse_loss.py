@@ -19,13 +19,10 @@ divides by the global count too. ``Partial`` inputs are reduced first (the loss 
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 import torch.nn.functional as F
 from packaging.specifiers import SpecifierSet
 
-from dtensor_patches._repro import Case, randn, run_cases
+from dtensor_patches._repro import Case, loss_and_grad, randn, run_cases
 from dtensor_patches.handlers import elementwise_loss
 from dtensor_patches.patch import Handler, Patch
 
@@ -35,16 +32,6 @@ def _registrations() -> list[Handler]:
         Handler("aten.mse_loss.default", elementwise_loss),
         Handler("aten.mse_loss_backward.default", elementwise_loss),
     ]
-
-
-def _loss_and_grad(reduction: str) -> Any:
-    def run(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.detach().requires_grad_()
-        loss = F.mse_loss(x, y, reduction=reduction)
-        (grad,) = torch.autograd.grad(loss.sum(), [x])
-        return loss.detach(), grad
-
-    return run
 
 
 CASES = [
@@ -62,19 +49,19 @@ CASES = [
     ),
     Case(
         "mse_loss(sum) + grad",
-        _loss_and_grad("sum"),
+        loss_and_grad(lambda x, y: F.mse_loss(x, y, reduction="sum")),
         lambda: [randn(5, 6), randn(5, 6, seed=1)],
         ["S1", "S1"],
     ),
     Case(
         "mse_loss(none) + grad",
-        _loss_and_grad("none"),
+        loss_and_grad(lambda x, y: F.mse_loss(x, y, reduction="none")),
         lambda: [randn(5, 6), randn(5, 6, seed=1)],
         ["S0", "R"],
     ),
     Case(
         "mse_loss(mean) + grad",
-        _loss_and_grad("mean"),
+        loss_and_grad(lambda x, y: F.mse_loss(x, y, reduction="mean")),
         lambda: [randn(5, 6), randn(5, 6, seed=1)],
         ["S1", "S1"],
     ),

@@ -21,13 +21,12 @@ class dim is gathered, ``mean`` divides the global weighted sum by the global to
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from packaging.specifiers import SpecifierSet
 
-from dtensor_patches._repro import Case, randn, run_cases
+from dtensor_patches._repro import Case, loss_and_grad, randn, run_cases
 from dtensor_patches.handlers import nll_loss
 from dtensor_patches.patch import Handler, Patch
 
@@ -43,16 +42,6 @@ def _registrations() -> list[Handler]:
     return [Handler(op, nll_loss) for op in OPS]
 
 
-def _loss_and_grad(loss: Callable[..., torch.Tensor]) -> Callable[..., Any]:
-    def run(x: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.detach().requires_grad_()
-        value = loss(x, *rest)
-        (grad,) = torch.autograd.grad(value.sum(), [x])
-        return value.detach(), grad
-
-    return run
-
-
 def _labels(*values: int) -> Callable[[], torch.Tensor]:
     return lambda: torch.tensor(values)
 
@@ -60,37 +49,37 @@ def _labels(*values: int) -> Callable[[], torch.Tensor]:
 CASES = [
     Case(
         "cross_entropy(mean) 5x3 Shard(0) + grad",
-        _loss_and_grad(F.cross_entropy),
+        loss_and_grad(F.cross_entropy),
         lambda: [randn(5, 3), _labels(0, 2, 1, 1, 0)()],
         ["S0", "S0"],
     ),
     Case(
         "nll_loss(mean, ignore_index=1) 4x3 Shard(0) + grad",
-        _loss_and_grad(lambda x, t: F.nll_loss(x, t, ignore_index=1)),
+        loss_and_grad(lambda x, t: F.nll_loss(x, t, ignore_index=1)),
         lambda: [torch.log_softmax(randn(4, 3), 1), _labels(0, 2, 1, 1)()],
         ["S0", "S0"],
     ),
     Case(
         "cross_entropy(mean, weight) 5x3 Shard(0) + grad",
-        _loss_and_grad(lambda x, t, w: F.cross_entropy(x, t, weight=w)),
+        loss_and_grad(lambda x, t, w: F.cross_entropy(x, t, weight=w)),
         lambda: [randn(5, 3), _labels(0, 2, 1, 1, 0)(), torch.tensor([0.5, 2.0, 1.5])],
         ["S0", "S0", "R"],
     ),
     Case(
         "cross_entropy(sum) 5x3 Shard(0) + grad",
-        _loss_and_grad(lambda x, t: F.cross_entropy(x, t, reduction="sum")),
+        loss_and_grad(lambda x, t: F.cross_entropy(x, t, reduction="sum")),
         lambda: [randn(5, 3), _labels(0, 2, 1, 1, 0)()],
         ["S0", "S0"],
     ),
     Case(
         "cross_entropy(none) 5x3 Shard(0) + grad",
-        _loss_and_grad(lambda x, t: F.cross_entropy(x, t, reduction="none")),
+        loss_and_grad(lambda x, t: F.cross_entropy(x, t, reduction="none")),
         lambda: [randn(5, 3), _labels(0, 2, 1, 1, 0)()],
         ["S0", "S0"],
     ),
     Case(
         "cross_entropy(mean) 3x3x5 Shard(2) (nll_loss2d) + grad",
-        _loss_and_grad(lambda x, t: F.cross_entropy(x.unsqueeze(-1), t.unsqueeze(-1))),
+        loss_and_grad(lambda x, t: F.cross_entropy(x.unsqueeze(-1), t.unsqueeze(-1))),
         lambda: [randn(3, 3, 5), torch.tensor([[0, 1, 2, 0, 1], [2, 2, 1, 0, 0], [1, 0, 0, 2, 1]])],
         ["S2", "S1"],
     ),

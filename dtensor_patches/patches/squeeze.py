@@ -21,6 +21,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches import compat
 from dtensor_patches._repro import Case, randn, run_cases
+from dtensor_patches.handlers import contiguous_stride
 from dtensor_patches.patch import Handler, Patch
 from dtensor_patches.strategies import is_shard, normalize_dims
 
@@ -48,16 +49,8 @@ def _squeeze(op_call: Any, args: Any, kwargs: Any) -> Any:
         out_placements,
         run_check=False,
         shape=shape,
-        stride=_contiguous_stride(shape),
+        stride=contiguous_stride(shape),
     )
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(int(size), 1)
-    return tuple(reversed(stride))
 
 
 def _registrations() -> list[Handler]:
