@@ -175,7 +175,9 @@ ORACLE: dict[str, OracleOp] = {
     # 2.13 (a separate gap, noted in the README).
     "squeeze": OracleOp(
         "squeeze",
-        lambda x, p: x.squeeze() if p["keepdim"] else x.squeeze(p["dim"]),
+        lambda x, p: (x.squeeze(), x.squeeze(p["dim"]), x.squeeze(()), x.squeeze((p["dim"],)))[
+            p["shift"] % 4
+        ],
         None,
         dtypes=("float32", "int64"),
         differentiable=True,

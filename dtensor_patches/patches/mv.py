@@ -48,6 +48,8 @@ def _rule(a: Any, v: Any) -> tuple[Any, Any, Any]:
 
 def _strategy(op_schema: Any, first: int) -> Any:
     """``first``: position of the matrix (0 for ``mv``, 1 for ``addmv`` after the bias)."""
+    from torch.distributed.tensor import Replicate
+
     types = compat.dtensor_types()
     args = op_schema.args_schema
     matrix, vector = args[first], args[first + 1]
@@ -58,6 +60,9 @@ def _strategy(op_schema: Any, first: int) -> Any:
     seen = set()
     candidates = [(s.output_spec.placements, current_v.placements) for s in matrix.strategies]
     candidates += [(current_a.placements, s.output_spec.placements) for s in vector.strategies]
+    # Everything replicated: always possible, the fallback when no other candidate is.
+    replicated = tuple(Replicate() for _ in current_a.placements)
+    candidates.append((replicated, replicated))
     for a_placements, v_placements in candidates:
         triples = [_rule(a, v) for a, v in zip(a_placements, v_placements, strict=True)]
         key = repr(triples)
@@ -74,6 +79,11 @@ def _strategy(op_schema: Any, first: int) -> Any:
             bias_spec = bias.strategies[0].output_spec
             rows = int(current_a.shape[0])
             placements = tuple(_bias_placement(p, tuple(bias_spec.shape), rows) for p in out)
+            if any(
+                is_shard(have) and reduce_op_of(want)
+                for have, want in zip(bias_spec.placements, placements, strict=True)
+            ):
+                continue  # DTensor cannot redistribute Shard -> Partial
             wanted.insert(0, types.DTensorSpec(bias_spec.mesh, placements, bias_spec.tensor_meta))
             strategies.insert(0, bias)
         costs = [
@@ -130,6 +140,12 @@ CASES = [
         torch.addmv,
         lambda: [randn(5, seed=2), randn(5, 6), randn(6, seed=1)],
         ["S0", "S0", "R"],
+    ),
+    Case(
+        "addmv(b, A, v), b sharded, A and v along k",
+        torch.addmv,
+        lambda: [randn(5, seed=2), randn(5, 6), randn(6, seed=1)],
+        ["S0", "S1", "S0"],
     ),
 ]
 

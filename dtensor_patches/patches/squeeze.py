@@ -31,7 +31,12 @@ def _squeeze(op_call: Any, args: Any, kwargs: Any) -> Any:
 
     x = args[0]
     ndim = x.ndim
-    requested = range(ndim) if len(args) < 2 else normalize_dims(args[1], ndim)
+    if len(args) < 2:
+        requested: Any = range(ndim)
+    elif isinstance(args[1], (tuple, list)) and not args[1]:
+        requested = ()  # squeeze(x, ()) squeezes nothing (unlike an empty reduction dim list)
+    else:
+        requested = normalize_dims(args[1], ndim)
     drop = [d for d in requested if ndim > 0 and x.shape[d] == 1]
     placements = list(x.placements)
     if any(is_shard(p) and p.dim in drop for p in placements):
