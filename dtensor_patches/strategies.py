@@ -35,7 +35,6 @@ __all__ = [
     "follow_input_strategy",
     "is_shard",
     "normalize_dims",
-    "pointwise_strategy",
     "redistribute_cost",
     "reduce_op_of",
     "replicate_strategy",
@@ -293,49 +292,6 @@ def schema_info(
     )
 
 
-def pointwise_strategy(op_schema: Any, *, driver: int = 0) -> Any:
-    """Elementwise ops with broadcasting, output shaped like the ``driver`` argument.
-
-    ``Shard(d)`` of the driver stays sharded with no communication; every other tensor argument
-    is sharded on the dim aligned with ``d`` from the right, or replicated where it broadcasts
-    along ``d`` (size 1 or missing). ``Partial()`` and any other placement are replicated first
-    (the ops here are not linear). In-place variants keep the driver's placements, as required.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    types = compat.dtensor_types()
-    tensors = _tensor_args(op_schema)
-    by_position = dict(tensors)
-    if driver not in by_position:
-        raise PatchError(f"{op_schema.op}: expected a tensor argument at position {driver}")
-    driver_ndim = len(tensor_meta(by_position[driver]).shape)
-    specs = []
-    for candidate in (s.output_spec for s in by_position[driver].strategies):
-        own = [p if is_shard(p) else Replicate() for p in candidate.placements]
-        input_specs, costs = [], []
-        for position, strategy in tensors:
-            template = strategy.strategies[0].output_spec
-            shape = tensor_meta(strategy).shape
-            placements = []
-            for p in own:
-                aligned = p.dim - (driver_ndim - len(shape)) if is_shard(p) else -1
-                if is_shard(p) and aligned >= 0 and int(shape[aligned]) != 1:
-                    placements.append(Shard(aligned))
-                else:
-                    placements.append(Replicate())
-            wanted = _spec(template, own if position == driver else placements)
-            input_specs.append(wanted)
-            costs.append([redistribute_cost(s.output_spec, wanted) for s in strategy.strategies])
-        specs.append(
-            types.OpSpec(
-                output_specs=_spec(candidate, own),
-                input_specs=tuple(input_specs),
-                redistribute_cost=costs,
-            )
-        )
-    return types.OpStrategy(specs)
-
-
 def evenly_sharded(spec: Any, dim: int) -> bool:
     """Whether every rank holds the same number of elements along tensor ``dim`` under ``spec``.
 
@@ -354,8 +310,9 @@ def elementwise_strategy(
     *,
     partial_rule: PartialRule | None = None,
     replicated: Iterable[int] = (),
+    driver: int | None = None,
 ) -> Any:
-    """Out-of-place elementwise op over its tensor arguments, with broadcasting.
+    """Elementwise op over its tensor arguments, with broadcasting.
 
     The output has the broadcast shape of the tensor arguments (python scalars are ignored).
     One candidate per candidate placement of every tensor argument, so a shard of any
@@ -373,6 +330,13 @@ def elementwise_strategy(
     Tensor arguments at positions in ``replicated`` take no part in the broadcast and are
     always replicated (an empty workspace argument, as ``log_sigmoid_backward``'s buffer on
     accelerators). DTensor picks the candidate that moves the least data.
+
+    ``driver``: follow only the placements of the tensor argument at that position, for
+    in-place ops (``masked_fill_``, ``clamp_min_``), whose output must keep ``self``'s
+    placements and shape.
+
+    Raises:
+        PatchError: no tensor argument, or none at ``driver``.
     """
     from torch.distributed.tensor import Replicate, Shard
 
@@ -396,10 +360,13 @@ def elementwise_strategy(
             return None  # broadcast along out_dim
         return d
 
+    followed = tensors if driver is None else [(p, st) for p, st in tensors if p == driver]
+    if not followed:
+        raise PatchError(f"{op_schema.op}: expected a tensor argument at position {driver}")
     seen: set[str] = set()
     specs = []
-    for driver, strategy in tensors:
-        offset = out_ndim - len(shapes[driver])
+    for leader, strategy in followed:
+        offset = out_ndim - len(shapes[leader])
         for candidate in strategy.strategies:
             out_placements: list[Any] = []
             in_placements: dict[int, list[Any]] = {pos: [] for pos in shapes}
@@ -409,14 +376,14 @@ def elementwise_strategy(
                     for pos in shapes:
                         in_placements[pos].append(p)
                     continue
-                if is_shard(p) and source_dim(driver, p.dim + offset) is not None:
+                if is_shard(p) and source_dim(leader, p.dim + offset) is not None:
                     out_dim = p.dim + offset
                     out_placements.append(Shard(out_dim))
                     for pos in shapes:
                         d = source_dim(pos, out_dim)
                         in_placements[pos].append(Replicate() if d is None else Shard(d))
                     continue
-                column = [(pos, p if pos == driver else current[pos][mesh_dim]) for pos in shapes]
+                column = [(pos, p if pos == leader else current[pos][mesh_dim]) for pos in shapes]
                 decision = None
                 if partial_rule is not None and any(_is_partial(q) for _, q in column):
                     decision = partial_rule(column)

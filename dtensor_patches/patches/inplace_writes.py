@@ -55,7 +55,7 @@ from dtensor_patches._repro import Case, randn, run_cases
 from dtensor_patches.errors import LostWriteError
 from dtensor_patches.handlers import shard_of
 from dtensor_patches.patch import Handler, Patch, Registration, Strategy
-from dtensor_patches.strategies import pointwise_strategy, uniform_strategy
+from dtensor_patches.strategies import elementwise_strategy, uniform_strategy
 
 
 class _Kind(enum.Enum):
@@ -109,13 +109,17 @@ _OPS: dict[str, _Kind] = {
     "aten.uniform_.default": _Kind.OVERWRITES,
 }
 
+def _follow_self(op_schema: Any) -> Any:
+    return elementwise_strategy(op_schema, driver=0)
+
+
 # Strategies the native path needs where torch has none (measured): ``fill_.Tensor`` and
 # ``fill.Tensor`` on every release so far, ``clamp_min_``/``clamp_max_`` up to 2.12.
 _STRATEGIES_IF_MISSING: dict[str, Callable[[Any], Any]] = {
     "aten.fill_.Tensor": uniform_strategy,
     "aten.fill.Tensor": uniform_strategy,
-    "aten.clamp_min_.default": pointwise_strategy,
-    "aten.clamp_max_.default": pointwise_strategy,
+    "aten.clamp_min_.default": _follow_self,
+    "aten.clamp_max_.default": _follow_self,
 }
 
 

@@ -4,7 +4,7 @@ and ``masked_fill`` with a tensor value; ``masked_fill_`` with a scalar on 2.9.
 Trigger: ``ids // block``, ``x.masked_fill(mask, torch.tensor(v))``, ``x.masked_fill_(mask, v)``
 on DTensors (attention masks, bucketing token ids).
 
-Fix: an elementwise strategy with broadcasting (``strategies.pointwise_strategy``): the input
+Fix: an elementwise strategy with broadcasting (``strategies.elementwise_strategy``): the input
 keeps its ``Shard(d)``, the other tensors are sharded alike where they have that dim and
 replicated where they broadcast; in-place variants keep the caller's placements. Measured
 fixed upstream in torch 2.12 (``masked_fill_.Scalar`` in 2.10).
@@ -19,7 +19,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._repro import Case, randn, run_cases
 from dtensor_patches.patch import Patch, Strategy
-from dtensor_patches.strategies import pointwise_strategy
+from dtensor_patches.strategies import elementwise_strategy
 
 OPS = (
     "aten.floor_divide.default",
@@ -31,7 +31,7 @@ OPS = (
 
 
 def _pointwise(op_schema: Any) -> Any:
-    return pointwise_strategy(op_schema)
+    return elementwise_strategy(op_schema, driver=0)
 
 
 def _registrations() -> list[Strategy]:
