@@ -1,4 +1,4 @@
-"""Elementwise ops with no sharding strategy on torch 2.9 to 2.11: ``floor_divide`` (``//``)
+"""Elementwise ops with no sharding strategy on torch 2.9 and 2.10: ``floor_divide`` (``//``)
 and ``masked_fill`` with a tensor value; ``masked_fill_`` with a scalar on 2.9.
 
 Trigger: ``ids // block``, ``x.masked_fill(mask, torch.tensor(v))``, ``x.masked_fill_(mask, v)``
@@ -7,7 +7,8 @@ on DTensors (attention masks, bucketing token ids).
 Fix: an elementwise strategy with broadcasting (``strategies.elementwise_strategy``): the input
 keeps its ``Shard(d)``, the other tensors are sharded alike where they have that dim and
 replicated where they broadcast; in-place variants keep the caller's placements. Measured
-fixed upstream in torch 2.12 (``masked_fill_.Scalar`` in 2.10).
+fixed upstream in torch 2.11 (the triggers run through decompositions there; ``masked_fill_``
+with a scalar from 2.10).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ PATCH = Patch(
     name="pointwise_gaps",
     summary="strategies for floor_divide and masked_fill variants (torch 2.9 to 2.11)",
     ops=OPS,
-    gate=SpecifierSet(">=2.9,<2.12"),
+    gate=SpecifierSet(">=2.9,<2.11"),
     registrations=_registrations,
     reproduce=reproduce,
-    upstream_fix="native strategies or decompositions from torch 2.12 (measured)",
+    upstream_fix="native strategies or decompositions from torch 2.11 (measured)",
 )
