@@ -97,6 +97,26 @@ def _cell(row: dict[str, Any] | None) -> str:
     return f"{stock} → {patched}"
 
 
+def _problems(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """One line per cell the tripwire judges not ok: still wrong with patches, a stale gate
+    (stock correct inside it) or a gate too narrow (stock wrong outside it)."""
+    from dtensor_patches.tripwire import Verdict, judge
+
+    problems = []
+    for release, rows in results.items():
+        for row in rows:
+            verdict, message = judge(
+                patch=row["patch"],
+                torch_version=release,
+                in_gate=row["in_gate"],
+                bug=row["stock"],
+                after_patch=row["patched"],
+            )
+            if verdict is not Verdict.OK:
+                problems.append(f"- `{row['patch']}` on {release}: {message}")
+    return problems
+
+
 def render(results: dict[str, list[dict[str, Any]]]) -> str:
     """The markdown table: patch by release, ``stock → patched``."""
     releases = list(results)
@@ -127,13 +147,9 @@ def render(results: dict[str, list[dict[str, Any]]]) -> str:
             row = index.get((release, name))
             if row is not None and row["stock"] is not None:
                 lines.append(f"- `{name}` on {release}: {row['stock']}")
-    broken = [
-        f"- `{name}` on {release}: {row['patched']}"
-        for (release, name), row in index.items()
-        if row["patched"] is not None
-    ]
+    broken = _problems(results)
     if broken:
-        lines += ["", "## Still wrong with patches", "", *broken]
+        lines += ["", "## Tripwire problems", "", *broken]
     return "\n".join(lines) + "\n"
 
 
@@ -175,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(results))
     args.json.write_text(json.dumps(results, indent=1) + "\n")
-    broken = [row for rows in results.values() for row in rows if row["patched"] is not None]
+    broken = _problems(results)
     log.info("wrote %s (%d broken cells)", args.out, len(broken))
     return 1 if broken else 0
 
