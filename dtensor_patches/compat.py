@@ -20,10 +20,10 @@ project; the supported range here is torch 2.9 to 2.15:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,29 +33,44 @@ from packaging.version import Version
 from dtensor_patches.errors import PatchError
 
 __all__ = [
+    "ANY_OP",
     "REGISTRY_TABLES",
-    "RegistrySnapshot",
+    "CallFallback",
+    "DivertedCall",
+    "MissRule",
+    "NativeDecision",
+    "check_call_time_internals",
     "clear_sharding_caches",
     "custom_op_handlers",
-    "dispatch_natively",
     "dtensor_types",
+    "entry_in_effect",
     "has_native_handler",
     "has_native_strategy",
     "has_single_dim_strategy",
+    "install_miss_hook",
+    "install_owned",
+    "is_applied",
     "local_shape_and_offset",
+    "local_shape_and_offset_function",
     "local_tensor",
-    "merge_snapshots",
+    "make_dtensor",
+    "mark_applied",
+    "miss_hook_installed",
     "op_arguments",
     "out_variant",
+    "owned_entries",
     "register_custom_handler",
+    "register_miss_rule",
     "register_strategy",
     "registry_state",
+    "remove_miss_hook_if_unused",
+    "remove_owner",
     "resolve_op",
-    "restore",
+    "set_call_fallback",
     "set_placements",
     "sharding_propagator",
     "shares_storage",
-    "snapshot",
+    "spec_with_placements",
     "torch_release",
     "torch_version",
     "view_geometry_is_global",
@@ -210,6 +225,7 @@ REGISTRY_TABLES: tuple[tuple[str, str, bool], ...] = (
     ("propagator", "op_to_schema_info_for_single_dim_strategy", False),  # 2.11+
     ("dispatcher", "_custom_op_handlers", True),
 )
+_MISS_RULES_TABLE = "dtensor_patches.miss_rules"
 
 
 def _tables() -> dict[str, dict[Any, Any]]:
@@ -223,38 +239,99 @@ def _tables() -> dict[str, dict[Any, Any]]:
                 _attr(owners[owner], attr, dotted)  # raises PatchError naming it
             continue
         tables[dotted] = table
+    tables[_MISS_RULES_TABLE] = _MISS_RULES
     return tables
 
 
-@dataclass(frozen=True)
-class RegistrySnapshot:
-    """The registry entries of some ops, as they were when taken (absent keys recorded too)."""
+# --- Ownership of registry entries -------------------------------------------------------
+#
+# Patches may change the same entry (two patches on ``argmax`` on 2.9) and may be reverted in
+# any order (two ``patched()`` blocks in two threads). Each changed entry keeps a stack of
+# (owner, value) layers over the value torch had before the first change; the table holds the
+# top layer. Reverting an owner removes its layers only: the entry falls back to the layer
+# below, or to torch's original once no layer is left. All calls hold REGISTRY_LOCK
+# (dtensor_patches.patch), so these dicts need no lock of their own.
 
-    entries: dict[tuple[str, Any], Any] = field(default_factory=dict)
-
-
-def snapshot(ops: Iterable[Any]) -> RegistrySnapshot:
-    """Record every registry entry of ``ops`` (including their absence) for :func:`restore`."""
-    tables = _tables()
-    entries: dict[tuple[str, Any], Any] = {}
-    for op in ops:
-        for name, table in tables.items():
-            entries[(name, op)] = table.get(op, _MISSING)
-    return RegistrySnapshot(entries)
+_LAYERS: dict[tuple[str, Any], list[tuple[object, Any]]] = {}
+_ORIGINALS: dict[tuple[str, Any], Any] = {}
+_APPLIED_OWNERS: dict[object, tuple[Any, ...]] = {}
 
 
-def restore(snap: RegistrySnapshot) -> None:
-    """Put the recorded entries back exactly: re-insert old values, delete keys that were absent.
+def install_owned(owner: object, ops: Iterable[Any], change: Callable[[], None]) -> list[Any]:
+    """Run ``change()`` (which registers entries for ``ops`` through torch's own APIs) and
+    record every table entry of ``ops`` it changed as a layer of ``owner``.
 
-    Caches are not cleared here; call :func:`clear_sharding_caches` afterwards.
+    Returns the ops whose entries changed. On an exception inside ``change()`` the entries
+    it changed so far are recorded too, so :func:`remove_owner` undoes them.
     """
+    ops = list(ops)
     tables = _tables()
-    for (name, op), value in snap.entries.items():
-        table = tables[name]
+    before = {(name, op): table.get(op, _MISSING) for name, table in tables.items() for op in ops}
+    try:
+        change()
+    finally:
+        changed = []
+        for (name, op), old in before.items():
+            new = tables[name].get(op, _MISSING)
+            if new is old:
+                continue
+            key = (name, op)
+            if key not in _LAYERS:
+                _ORIGINALS[key] = old
+                _LAYERS[key] = []
+            _LAYERS[key].append((owner, new))
+            changed.append(op)
+    return list(dict.fromkeys(changed))
+
+
+def remove_owner(owner: object) -> list[Any]:
+    """Remove every layer of ``owner``; entries fall back to the layer below or to torch's
+    original. Returns the ops whose effective entry changed (their caches are stale)."""
+    tables = _tables()
+    stale = []
+    for key in [k for k, layers in _LAYERS.items() if any(o is owner for o, _ in layers)]:
+        name, op = key
+        layers = _LAYERS[key]
+        on_top = layers[-1][0] is owner
+        layers[:] = [(o, v) for o, v in layers if o is not owner]
+        if not on_top:
+            continue
+        value = layers[-1][1] if layers else _ORIGINALS[key]
         if value is _MISSING:
-            table.pop(op, None)
+            tables[name].pop(op, None)
         else:
-            table[op] = value
+            tables[name][op] = value
+        if not layers:
+            del _LAYERS[key], _ORIGINALS[key]
+        stale.append(op)
+    _APPLIED_OWNERS.pop(owner, None)
+    remove_miss_hook_if_unused()
+    return list(dict.fromkeys(stale))
+
+
+def mark_applied(owner: object, ops: Iterable[Any]) -> None:
+    """Record ``owner`` as applied (the single source of truth for ``Patch.is_applied``)."""
+    _APPLIED_OWNERS[owner] = tuple(ops)
+
+
+def is_applied(owner: object) -> bool:
+    """Whether ``owner`` was applied and not removed since."""
+    return owner in _APPLIED_OWNERS
+
+
+def owned_entries(owner: object) -> dict[tuple[str, Any], Any]:
+    """The entries ``owner`` installed: ``(table, op) -> value`` (for status checks)."""
+    out = {}
+    for key, layers in _LAYERS.items():
+        for o, value in layers:
+            if o is owner:
+                out[key] = value
+    return out
+
+
+def entry_in_effect(table: str, op: Any) -> Any:
+    """What ``table`` holds for ``op`` right now (``None`` when absent)."""
+    return _tables()[table].get(op)
 
 
 def registry_state() -> dict[str, dict[Any, Any]]:
@@ -279,11 +356,6 @@ def has_native_strategy(op: Any) -> bool:
 def has_single_dim_strategy(op: Any) -> bool:
     """Whether ``op`` has a single-dim strategy (2.11+), which shadows ``op_strategy_funcs``."""
     return op in getattr(sharding_propagator(), "op_single_dim_strategy_funcs", {})
-
-
-def merge_snapshots(first: RegistrySnapshot, second: RegistrySnapshot) -> RegistrySnapshot:
-    """One snapshot holding both; where both recorded an entry, ``first``'s (older) wins."""
-    return RegistrySnapshot({**second.entries, **first.entries})
 
 
 def has_native_handler(op: Any) -> bool:
@@ -319,29 +391,49 @@ def register_custom_handler(op: Any, handler: Callable[..., object]) -> None:
 
 
 def clear_sharding_caches() -> None:
-    """Clear every sharding-propagation cache of the running release.
+    """Clear every cache of sharding decisions, in every thread, and the redistribution plans
+    that were built from them.
 
-    The Python cache is per thread (a ``threading.local`` LRU): this clears the calling
-    thread's; other threads that already propagated the changed ops keep theirs, so apply
-    patches before starting worker threads. From 2.10 the C++ fast path cache is cleared too.
+    - The Python propagation cache is a ``threading.local`` LRU: clearing it clears only the
+      calling thread's. It is replaced by a fresh instance over the same function instead, so
+      every thread starts empty (a thread-local object keeps one dict per thread).
+    - From 2.10 the C++ fast path keeps its own cache, cleared with
+      ``torch._C._clear_DTensor_sharding_propagator_cache``.
+    - The redistribution planner ``_redistribute._gen_transform_infos`` caches transform steps
+      keyed by specs *by value* and keeps the placement objects of the first call. A
+      ``_MaskPartial`` placement (vocab-parallel embedding) carries its mask buffer on the
+      object, so clearing only the sharding cache makes a fresh embedding decision meet stale
+      transform steps whose buffer was already released: on 2.9.1 the next forward of a
+      TP + SP model raises ``AssertionError`` in ``_MaskPartial._reduce_shard_value``
+      (measured). The two caches are therefore cleared together.
 
     Raises:
         PatchError: a cache that this release must have is missing.
     """
     propagator = sharding_propagator()
     cached = _attr(propagator, "propagate_op_sharding", "ShardingPropagator.propagate_op_sharding")
-    # 2.5-2.9 expose only the inner lru_cache (``.cache``); later releases add ``cache_clear``.
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
-    else:
-        inner = _attr(cached, "cache", "ShardingPropagator.propagate_op_sharding.cache")
-        _attr(inner, "cache_clear", "ShardingPropagator.propagate_op_sharding.cache.cache_clear")()
+    inner = _attr(cached, "cache", "ShardingPropagator.propagate_op_sharding.cache")
+    function = _attr(inner, "__wrapped__", "ShardingPropagator.propagate_op_sharding.cache")
+    propagator.propagate_op_sharding = type(cached)(function)
     if torch_release() >= Version("2.10"):
         _attr(
             torch._C,
             "_clear_DTensor_sharding_propagator_cache",
             "torch._C._clear_DTensor_sharding_propagator_cache",
         )()
+    try:
+        from torch.distributed.tensor import _redistribute
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor._redistribute",
+            internal="torch.distributed.tensor._redistribute",
+        ) from exc
+    plans = _attr(
+        _redistribute,
+        "_gen_transform_infos",
+        "torch.distributed.tensor._redistribute._gen_transform_infos",
+    )
+    _attr(plans, "cache_clear", "_redistribute._gen_transform_infos.cache_clear")()
 
 
 def local_tensor(dtensor: Any) -> torch.Tensor:
@@ -356,51 +448,382 @@ def local_tensor(dtensor: Any) -> torch.Tensor:
     return _attr(dtensor, "_local_tensor", "DTensor._local_tensor")
 
 
-# Serialises dispatch_natively: while one thread has an op's handler lifted, no other thread
-# lifts or restores that table entry.
-_NATIVE_DISPATCH_LOCK = threading.RLock()
+# --- The miss hook ---------------------------------------------------------------------
+#
+# DTensor decides how to run a call (its ``OutputSharding``) once per distinct op schema and
+# caches the decision; cached calls never reach Python on 2.10+ (C++ fast path) and reach
+# only a cache lookup on 2.9. The rare cases this library must act on (a ``Partial`` target
+# of an in-place op, a view op that has to redistribute its input, a call torch refuses) are
+# all visible in the op schema, so they are decided where a schema meets propagation without
+# a cached decision: a *miss*. A miss rule sees the schema and, on demand, torch's own
+# decision; it returns ``None`` (torch's decision stands, and is cached as usual) or a
+# function that runs the call instead. A diverted call is never cached, so the next call with
+# the same schema comes back to its rule; every other call keeps torch's fast path.
+#
+# Where the hook sits, by release (read from the wheels):
+# - 2.10+: ``OpDispatcher._propagate_op_sharding_dispatch_slow_path(op_call, args, kwargs,
+#   op_info, try_cache)``, called by the C++ dispatcher on a cache miss; a result that is not
+#   an ``OutputSharding`` is returned to the caller as the op's output (torch itself does this
+#   for CompositeImplicitAutograd decompositions), and is not cached.
+# - 2.9: ``OpDispatcher.dispatch`` is Python. The hook replaces the propagator's per-thread
+#   cache with one over a wrapped ``propagate_op_sharding_non_cached``; a diverting rule raises
+#   :class:`_Divert` (a ``BaseException``, so torch's ``except Exception`` re-wrapping lets it
+#   through) and a thin wrapper around ``dispatch`` catches it and runs the call.
+
+# A function that runs a diverted call: (op_call, args, kwargs) -> output.
+DivertedCall = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
-def dispatch_natively(op_call: Any, args: Any, kwargs: Any) -> Any:
-    """Run ``op_call`` through DTensor's own dispatch, bypassing its custom handler.
+class NativeDecision:
+    """torch's own decision for the call at hand, computed at most once and only if asked."""
 
-    torch has no public way for a custom handler to hand a call back to normal sharding
-    propagation, so the handler is lifted from ``OpDispatcher._custom_op_handlers`` for the
-    duration of the call and put back afterwards (under a lock). A call of the same op from
-    *another* thread inside that window also takes the native path; handlers that use this
-    must therefore only add checks on top of correct native behaviour, never be required for
-    correctness of ordinary calls.
+    __slots__ = ("_compute", "_done", "_error", "_result")
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute = compute
+        self._done = False
+        self._result: Any = None
+        self._error: Exception | None = None
+
+    def _run(self) -> None:
+        if not self._done:
+            self._done = True
+            try:
+                self._result = self._compute()
+            except Exception as exc:  # noqa: BLE001 - re-raised by get(); rules inspect it
+                self._error = exc
+
+    def get(self) -> Any:
+        """torch's result: an ``OutputSharding`` (or, 2.10+, an already computed output).
+
+        Raises:
+            Whatever torch's propagation raised for this call.
+        """
+        self._run()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def error(self) -> Exception | None:
+        """The exception torch's propagation raised for this call, or ``None``."""
+        self._run()
+        return self._error
+
+    def sharding(self) -> Any:
+        """torch's ``OutputSharding``, or ``None`` when propagation raised or torch already
+        produced the output itself (a CompositeImplicitAutograd decomposition, 2.10+)."""
+        self._run()
+        if self._error is not None or not _is_output_sharding(self._result):
+            return None
+        return self._result
+
+
+# rule(op_schema, native) -> DivertedCall | None; one per op (patches that share an op are
+# layered by the registry's ownership stacks).
+MissRule = Callable[[Any, NativeDecision], "DivertedCall | None"]
+_MISS_RULES: dict[Any, MissRule] = {}
+
+ANY_OP = "*"
+"""Key of a miss rule consulted for every op (after the op's own rule), for fixes that concern
+a kind of call rather than an op: an in-place write into a ``Partial`` target, a view op that
+must redistribute."""
+
+# Called for a call whose propagation torch refused: (op_call, args, kwargs, error) -> output
+# or raise. ``None``: torch's error stands.
+CallFallback = Callable[[Any, tuple[Any, ...], dict[str, Any], Exception], Any]
+_FALLBACK: list[CallFallback | None] = [None]
+
+
+def _is_output_sharding(value: Any) -> bool:
+    from torch.distributed.tensor._op_schema import OutputSharding
+
+    return isinstance(value, OutputSharding)
+
+
+class _Divert(BaseException):
+    """2.9 only: carries a diverted call from propagation up to the dispatch wrapper."""
+
+    def __init__(self, op: Any, run: DivertedCall) -> None:
+        super().__init__(str(op))
+        self.op = op
+        self.run = run
+
+
+_HOOK_TLS = threading.local()
+_HOOK_LOCK = threading.Lock()
+_HOOK_ORIGINALS: dict[str, Any] = {}
+
+
+def _decide(op: Any, schema: Any, native: NativeDecision) -> DivertedCall | None:
+    for rule in (_MISS_RULES.get(op), _MISS_RULES.get(ANY_OP)):
+        if rule is not None:
+            run = rule(schema, native)
+            if run is not None:
+                return run
+    fallback = _FALLBACK[0]
+    if fallback is not None:
+        error = native.error()
+        if error is not None and not _decomposes_itself(op, error):
+            return lambda op_call, args, kwargs: fallback(op_call, args, kwargs, error)
+    return None
+
+
+def _decomposes_itself(op: Any, error: Exception) -> bool:
+    """torch answers a missing strategy of a CompositeImplicitAutograd op by decomposing it
+    (2.9 in ``dispatch``); that is not a refusal."""
+    return isinstance(
+        error, NotImplementedError
+    ) and torch._C._dispatch_has_kernel_for_dispatch_key(
+        op.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+    )
+
+
+def _install_slow_path_hook(dispatcher: Any) -> None:
+    """2.10+: wrap the slow path the C++ dispatcher calls on a cache miss."""
+    name = "_propagate_op_sharding_dispatch_slow_path"
+    original = _attr(dispatcher, name, f"OpDispatcher.{name}")
+
+    def slow_path(op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> Any:
+        if not _MISS_RULES and _FALLBACK[0] is None:
+            return original(op_call, args, kwargs, op_info, try_cache)
+        native = NativeDecision(lambda: original(op_call, args, kwargs, op_info, try_cache))
+        run = _decide(op_call, op_info.schema, native)
+        if run is not None:
+            return run(op_call, args, kwargs)
+        return native.get()
+
+    _HOOK_ORIGINALS[name] = dispatcher.__dict__.get(name, _MISSING)
+    setattr(dispatcher, name, slow_path)
+
+
+def _install_python_dispatch_hook(dispatcher: Any) -> None:
+    """2.9: wrap ``dispatch`` and the propagator's cached propagation (see above)."""
+    propagator = sharding_propagator()
+    dispatch = _attr(dispatcher, "dispatch", "OpDispatcher.dispatch")
+    non_cached = _attr(
+        propagator,
+        "propagate_op_sharding_non_cached",
+        "ShardingPropagator.propagate_op_sharding_non_cached",
+    )
+    cached = _attr(propagator, "propagate_op_sharding", "ShardingPropagator.propagate_op_sharding")
+    cache_class = type(cached)
+
+    def propagate(op_schema: Any) -> Any:
+        op = op_schema.op
+        if getattr(_HOOK_TLS, "op", None) is not op or (not _MISS_RULES and _FALLBACK[0] is None):
+            return non_cached(op_schema)
+        native = NativeDecision(lambda: non_cached(op_schema))
+        run = _decide(op, op_schema, native)
+        if run is not None:
+            raise _Divert(op, run)
+        return native.get()
+
+    def hooked_dispatch(op_call: Any, args: Any, kwargs: Any) -> Any:
+        outer = getattr(_HOOK_TLS, "op", None)
+        _HOOK_TLS.op = op_call
+        try:
+            return dispatch(op_call, args, kwargs)
+        except _Divert as divert:
+            if divert.op is not op_call:
+                raise
+            _HOOK_TLS.op = outer
+            return divert.run(op_call, args, kwargs)
+        finally:
+            _HOOK_TLS.op = outer
+
+    _HOOK_ORIGINALS["dispatch"] = dispatcher.__dict__.get("dispatch", _MISSING)
+    # Restored as a fresh cache over torch's own function (decisions made under the hook
+    # must not outlive it).
+    _HOOK_ORIGINALS["propagate_op_sharding"] = (cache_class, non_cached)
+    _HOOK_ORIGINALS["propagate_op_sharding_non_cached"] = propagator.__dict__.get(
+        "propagate_op_sharding_non_cached", _MISSING
+    )
+    propagator.propagate_op_sharding = cache_class(propagate)
+    propagator.propagate_op_sharding_non_cached = propagate
+    dispatcher.dispatch = hooked_dispatch
+
+
+def _uses_cpp_dispatch() -> bool:
+    return hasattr(op_dispatcher(), "_propagate_op_sharding_dispatch_slow_path")
+
+
+def install_miss_hook() -> bool:
+    """Install the miss hook (idempotent). Returns ``True`` if this call installed it.
 
     Raises:
-        PatchError: the handler table moved.
-        Whatever the native dispatch raises.
+        PatchError: an internal the hook wraps is missing (nothing is changed then).
     """
-    table = custom_op_handlers()
-    with _NATIVE_DISPATCH_LOCK:
-        handler = table.pop(op_call, _MISSING)
+    with _HOOK_LOCK:
+        if _HOOK_ORIGINALS:
+            return False
+        dispatcher = op_dispatcher()
         try:
-            return op_call(*args, **kwargs)
-        finally:
-            if handler is not _MISSING:
-                table[op_call] = handler
+            if _uses_cpp_dispatch():
+                _install_slow_path_hook(dispatcher)
+            else:
+                _install_python_dispatch_hook(dispatcher)
+        except BaseException:
+            _remove_hook_locked()
+            raise
+        return True
+
+
+def _restore_attr(owner: Any, name: str, value: Any) -> None:
+    if value is _MISSING:
+        owner.__dict__.pop(name, None)
+    else:
+        setattr(owner, name, value)
+
+
+def _remove_hook_locked() -> None:
+    dispatcher, propagator = op_dispatcher(), sharding_propagator()
+    for name, value in _HOOK_ORIGINALS.items():
+        if name == "propagate_op_sharding":
+            cache_class, function = value
+            propagator.propagate_op_sharding = cache_class(function)
+        elif name == "propagate_op_sharding_non_cached":
+            _restore_attr(propagator, name, value)
+        else:
+            _restore_attr(dispatcher, name, value)
+    _HOOK_ORIGINALS.clear()
+
+
+def remove_miss_hook_if_unused() -> bool:
+    """Take the hook out again once no miss rule and no fallback is left (torch exactly as
+    before). Returns ``True`` if it was removed."""
+    with _HOOK_LOCK:
+        if not _HOOK_ORIGINALS or _MISS_RULES or _FALLBACK[0] is not None:
+            return False
+        _remove_hook_locked()
+        return True
+
+
+def miss_hook_installed() -> bool:
+    """Whether the miss hook is in place."""
+    return bool(_HOOK_ORIGINALS)
+
+
+def register_miss_rule(op: Any, rule: MissRule) -> None:
+    """Consult ``rule(op_schema, native)`` for ``op`` (an ``OpOverload``, or :data:`ANY_OP`)
+    on every propagation cache miss.
+
+    Installs the miss hook on first use.
+
+    Raises:
+        PatchError: the hook cannot be installed on this release.
+    """
+    install_miss_hook()
+    _MISS_RULES[op] = rule
+
+
+def set_call_fallback(fallback: CallFallback | None) -> None:
+    """Route calls whose propagation torch refuses to ``fallback`` (``None``: torch's error)."""
+    if fallback is not None:
+        install_miss_hook()
+    _FALLBACK[0] = fallback
+    if fallback is None:
+        remove_miss_hook_if_unused()
+
+
+def spec_with_placements(spec: Any, placements: Iterable[Any]) -> Any:
+    """A copy of the ``DTensorSpec`` ``spec`` with other placements and every other field kept.
+
+    Copied with ``dataclasses.replace`` so that fields newer releases add (``shard_order`` in
+    2.13) survive; where such a field is derived from the placements, it is dropped and left
+    for ``DTensorSpec.__post_init__`` to derive again.
+
+    Raises:
+        PatchError: ``DTensorSpec`` is no longer a dataclass.
+    """
+    if not dataclasses.is_dataclass(spec):
+        raise PatchError(
+            f"torch {torch.__version__}: DTensorSpec is no longer a dataclass",
+            internal="torch.distributed.tensor._dtensor_spec.DTensorSpec",
+        )
+    changes: dict[str, Any] = {"placements": tuple(placements)}
+    names = {f.name for f in dataclasses.fields(spec) if f.init}
+    if "shard_order" in names:
+        # Derived from the placements when not given (2.13); the old order would not match.
+        changes["shard_order"] = None
+    return dataclasses.replace(spec, **changes)
 
 
 def set_placements(dtensor: Any, placements: Iterable[Any]) -> None:
     """Relabel ``dtensor`` in place with ``placements`` (same mesh, same global shape).
 
-    Only for relabels that keep the local tensor's shape (``Partial`` -> ``Replicate`` once
-    the local tensor holds the reduced value). Writes ``DTensor._spec``.
+    Only for relabels that keep the local tensor's shape. Writes ``DTensor._spec``.
 
     Raises:
         PatchError: ``DTensor._spec`` or ``DTensorSpec`` moved.
     """
     spec = _attr(dtensor, "_spec", "DTensor._spec")
-    spec_class = dtensor_types().DTensorSpec
-    dtensor._spec = spec_class(
-        spec.mesh,
-        tuple(placements),
-        tensor_meta=_attr(spec, "tensor_meta", "DTensorSpec.tensor_meta"),
-    )
+    dtensor._spec = spec_with_placements(spec, placements)
+
+
+def check_call_time_internals() -> None:
+    """Check every private internal that handlers and miss rules use while a call runs.
+
+    Called when a patch with handlers or miss rules is applied, so a release that moved one
+    makes the patch fail cleanly at apply time (torch untouched), never mid-training.
+
+    Raises:
+        PatchError: naming the first missing internal.
+    """
+    _attr(torch._C, "_is_alias_of", "torch._C._is_alias_of")
+    dtensor = _dtensor_class()
+    annotations: dict[str, Any] = {}
+    for klass in reversed(dtensor.__mro__):
+        annotations.update(getattr(klass, "__annotations__", {}))
+    for name in ("_local_tensor", "_spec"):
+        if name not in annotations:
+            raise PatchError(
+                f"torch {torch.__version__}: DTensor no longer declares {name}",
+                internal=f"DTensor.{name}",
+            )
+    types = dtensor_types()
+    if not dataclasses.is_dataclass(types.DTensorSpec):
+        raise PatchError(
+            f"torch {torch.__version__}: DTensorSpec is no longer a dataclass",
+            internal="torch.distributed.tensor._dtensor_spec.DTensorSpec",
+        )
+    fields = {f.name for f in dataclasses.fields(types.DTensorSpec)}
+    for name in ("mesh", "placements", "tensor_meta"):
+        if name not in fields:
+            raise PatchError(
+                f"torch {torch.__version__}: DTensorSpec has no field {name}",
+                internal=f"DTensorSpec.{name}",
+            )
+    for name in ("op", "args_schema", "kwargs_schema"):
+        if name not in {f.name for f in dataclasses.fields(types.OpSchema)}:
+            raise PatchError(
+                f"torch {torch.__version__}: OpSchema has no field {name}",
+                internal=f"OpSchema.{name}",
+            )
+    try:
+        from torch.distributed.tensor._op_schema import OutputSharding
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no _op_schema.OutputSharding",
+            internal="torch.distributed.tensor._op_schema.OutputSharding",
+        ) from exc
+    for name in ("output_spec", "redistribute_schema", "needs_redistribute"):
+        if name not in {f.name for f in dataclasses.fields(OutputSharding)}:
+            raise PatchError(
+                f"torch {torch.__version__}: OutputSharding has no field {name}",
+                internal=f"OutputSharding.{name}",
+            )
+    local_shape_and_offset_function()
+
+
+def make_dtensor(local: torch.Tensor, spec: Any, *, cls: Any = None) -> Any:
+    """A DTensor (or an instance of the DTensor subclass ``cls``) over ``local`` with ``spec``,
+    without communication or checks: ``DTensor(local, spec, requires_grad=False)``, the
+    constructor DTensor's own dispatch wraps results with (same signature 2.9 to 2.15).
+
+    For use inside dispatch (below autograd), where results carry no autograd history.
+    """
+    klass = _dtensor_class() if cls is None else cls
+    return klass(local, spec, requires_grad=False)
 
 
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -419,14 +842,8 @@ def view_geometry_is_global() -> bool:
     return torch_release() >= Version("2.10")
 
 
-def local_shape_and_offset(
-    global_shape: Iterable[int], mesh: Any, placements: Iterable[Any]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's local shape and the global offset of its block, per tensor dim.
-
-    Wraps ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (same
-    signature 2.9 to 2.15; 2.10 adds an optional ``skip_offset``), which cuts shards exactly as
-    DTensor does (uneven and empty last shards, several mesh dims sharding one tensor dim).
+def local_shape_and_offset_function() -> Callable[..., Any]:
+    """``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``.
 
     Raises:
         PatchError: the helper moved.
@@ -438,11 +855,26 @@ def local_shape_and_offset(
             f"torch {torch.__version__} has no torch.distributed.tensor._utils",
             internal="torch.distributed.tensor._utils",
         ) from exc
-    compute = _attr(
+    return _attr(
         _utils,
         "compute_local_shape_and_global_offset",
         "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
     )
+
+
+def local_shape_and_offset(
+    global_shape: Iterable[int], mesh: Any, placements: Iterable[Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's local shape and the global offset of its block, per tensor dim.
+
+    Wraps ``compute_local_shape_and_global_offset`` (same signature 2.9 to 2.15; 2.10 adds an
+    optional ``skip_offset``), which cuts shards exactly as DTensor does (uneven and empty last
+    shards, several mesh dims sharding one tensor dim).
+
+    Raises:
+        PatchError: the helper moved.
+    """
+    compute = local_shape_and_offset_function()
     shape, offset = compute(tuple(global_shape), mesh, tuple(placements))
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
 

@@ -40,6 +40,7 @@ __all__ = [
     "full_tensor",
     "inplace_through_full",
     "nll_loss",
+    "partial_shares",
     "replicated_result",
     "shard_of",
 ]
@@ -100,6 +101,21 @@ def replicated_result(op_call: Any, args: Any, kwargs: Any) -> Any:
     return tree_map(lambda v: _replicated(mesh, v), out)
 
 
+def partial_shares(value: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    """This rank's share of ``value`` (the local tensor of the reduced value) under
+    ``placements``: on every ``Partial(sum)`` mesh dim the value stays on coordinate 0 and is
+    zero elsewhere, so the shares sum to it; other reductions (avg, max, min) keep the value on
+    every rank. ``Shard``/``Replicate`` mesh dims are left as they are (no communication).
+    """
+    from torch.distributed.tensor import Partial
+
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[mesh_dim] != 0:
+            return torch.zeros_like(value)
+    return value
+
+
 def shard_of(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
     """This rank's local tensor of ``full`` under ``placements`` (no communication).
 
@@ -118,11 +134,7 @@ def shard_of(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
         .redistribute(mesh, shard_only)
         .to_local()
     )
-    coordinate = mesh.get_coordinate()
-    for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[mesh_dim] != 0:
-            local = torch.zeros_like(local)
-    return local
+    return partial_shares(local, mesh, placements)
 
 
 def inplace_through_full(op_call: Any, args: Any, kwargs: Any) -> Any:

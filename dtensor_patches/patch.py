@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
@@ -15,7 +15,7 @@ from packaging.version import Version
 from dtensor_patches import compat
 from dtensor_patches.errors import PatchError
 
-__all__ = ["Handler", "Patch", "Registration", "Strategy"]
+__all__ = ["Handler", "MissRule", "Patch", "Registration", "Strategy"]
 
 log = logging.getLogger("dtensor_patches")
 
@@ -54,7 +54,31 @@ class Handler:
         compat.register_custom_handler(compat.resolve_op(self.op), self.fn)
 
 
-Registration = Strategy | Handler
+@dataclass(frozen=True)
+class MissRule:
+    """Consult ``fn(op_schema, native)`` when a call of ``op`` meets sharding propagation
+    without a cached decision (see ``compat.register_miss_rule``).
+
+    ``native`` is torch's own decision (a ``compat.NativeDecision``, computed on demand).
+    ``fn`` returns ``None`` to keep it (cached as usual: later calls with that schema stay on
+    torch's fast path) or a function ``(op_call, args, kwargs) -> output`` that runs the call
+    instead (never cached). For fixes that only some calls of a common op need: the condition
+    is checked once per distinct schema, not on every call.
+    """
+
+    op: str  # "namespace.op.overload", or compat.ANY_OP for a rule that sees every op
+    fn: Callable[[Any, Any], Any]
+
+    def install(self) -> None:
+        compat.register_miss_rule(_key(self.op), self.fn)
+
+
+def _key(name: str) -> Any:
+    """The registry key of an op name; :data:`compat.ANY_OP` stands for itself."""
+    return compat.ANY_OP if name == compat.ANY_OP else compat.resolve_op(name)
+
+
+Registration = Strategy | Handler | MissRule
 
 # A reproducer runs collectively on every rank of a mesh, with no patch of its own applied
 # by the caller, and says what is wrong: ``None`` when the result is correct (equal to the
@@ -104,7 +128,6 @@ class Patch:
     replicates: bool = False
     overrides_existing: bool = False
     out_variants: bool = True
-    _snapshot: compat.RegistrySnapshot | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -131,7 +154,8 @@ class Patch:
 
     @property
     def is_applied(self) -> bool:
-        return self._snapshot is not None
+        """Whether this patch's entries are installed (``compat`` keeps the one record)."""
+        return compat.is_applied(self)
 
     def native_ops(self) -> list[str]:
         """The ops of this patch that torch (or someone else) already covers.
@@ -150,46 +174,46 @@ class Patch:
         """Install the patch. Returns ``False`` if it was already applied (nothing changes).
 
         Ops that torch already supports (a strategy or handler is registered) are left alone,
-        unless ``overrides_existing``. All-or-nothing: on any failure every registry entry of
-        the patch's ops is put back as it was and the caches are cleared, then the error is
-        raised.
+        unless ``overrides_existing``. Every private internal the patch's handlers use at call
+        time is checked first, so a release that moved one fails here, not mid-training.
+        All-or-nothing: on any failure every entry the patch changed is put back (other
+        patches' entries on shared ops stay) and the caches are cleared; an ``Exception``
+        becomes :class:`PatchError`, ``KeyboardInterrupt``/``SystemExit`` propagate as they are.
 
         Raises:
             PatchError: building or installing a registration failed (torch left untouched).
         """
         with REGISTRY_LOCK:
-            if self._snapshot is not None:
+            if self.is_applied:
                 return False
-            ops = [compat.resolve_op(name) for name in self.ops]
             # Ops torch already covers are left to torch, unless this patch exists to replace
             # a wrong upstream strategy.
             keep_native = set() if self.overrides_existing else set(self.native_ops())
-            snap = compat.snapshot(ops)
             try:
                 registrations = list(self.registrations())
+                if any(not isinstance(r, Strategy) for r in registrations):
+                    compat.check_call_time_internals()
                 for registration in registrations:
-                    if registration.op not in self.ops:
+                    if registration.op not in self.ops and registration.op != compat.ANY_OP:
                         raise PatchError(
                             f"patch {self.name!r} registers {registration.op}, "
                             "which is not in its ops list"
                         )
                 derived = self._out_variant_registrations(registrations, keep_native)
-                snap = compat.merge_snapshots(
-                    snap, compat.snapshot([compat.resolve_op(r.op) for r in derived])
-                )
-                for registration in registrations:
-                    if registration.op not in keep_native:
-                        registration.install()
-                for registration in derived:
-                    registration.install()
+                wanted = [r for r in registrations if r.op not in keep_native] + derived
+                changed: list[Any] = []
+                for registration in wanted:
+                    changed += compat.install_owned(
+                        self, [_key(registration.op)], registration.install
+                    )
                 compat.clear_sharding_caches()
+                compat.mark_applied(self, changed)
             except BaseException as exc:
-                compat.restore(snap)
+                compat.remove_owner(self)
                 compat.clear_sharding_caches()
-                if isinstance(exc, PatchError):
+                if isinstance(exc, PatchError) or not isinstance(exc, Exception):
                     raise
                 raise PatchError(f"patch {self.name!r} failed to install: {exc!r}") from exc
-            self._snapshot = snap
             log.info("dtensor_patches: applied %s (%s)", self.name, ", ".join(self.ops))
             return True
 
@@ -216,15 +240,19 @@ class Patch:
         return derived
 
     def revert(self) -> bool:
-        """Restore the registry entries of this patch's ops exactly as before :meth:`apply`.
+        """Take this patch's entries out again: each op falls back to what it was before, or
+        to another applied patch's entry on a shared op.
 
-        Returns ``False`` if the patch was not applied.
+        Returns ``False`` if the patch was not applied. The patch counts as reverted even when
+        clearing the caches afterwards raises (its entries are already out).
+
+        Raises:
+            PatchError: a propagation cache moved (the entries are restored regardless).
         """
         with REGISTRY_LOCK:
-            if self._snapshot is None:
+            if not self.is_applied:
                 return False
-            compat.restore(self._snapshot)
-            compat.clear_sharding_caches()
-            self._snapshot = None
+            compat.remove_owner(self)
             log.info("dtensor_patches: reverted %s", self.name)
+            compat.clear_sharding_caches()
             return True

@@ -96,10 +96,7 @@ def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ..
 
 def _spec(template: Any, placements: Sequence[Any]) -> Any:
     """A ``DTensorSpec`` like ``template`` (same mesh and tensor meta) with other placements."""
-    types = compat.dtensor_types()
-    return types.DTensorSpec(
-        mesh=template.mesh, placements=tuple(placements), tensor_meta=template.tensor_meta
-    )
+    return compat.spec_with_placements(template, placements)
 
 
 def is_shard(placement: Any) -> bool:

@@ -160,7 +160,7 @@ def test_missing_internal_fails_loudly_and_names_it(monkeypatch: pytest.MonkeyPa
         moved.setattr(compat, "sharding_propagator", lambda: object())
         report = dtensor_patches.apply_all()
         with pytest.raises(PatchError) as info:
-            compat.snapshot([])
+            compat.registry_state()
     assert report["synthetic"].status is Status.FAILED
     assert "op_strategy_funcs" in report["synthetic"].reason
     assert info.value.internal == "propagator.op_strategy_funcs"

@@ -36,6 +36,7 @@ from dtensor_patches.patches import (
     reductions_2_9,
     scans,
     sdpa_cpu,
+    select_spec,
     squeeze,
     stack_dim,
     unbind,
@@ -45,6 +46,7 @@ from dtensor_patches.patches import (
 
 BUILTIN_PATCHES: tuple[Patch, ...] = (
     alias.PATCH,
+    select_spec.PATCH,
     reductions_2_9.PATCH,
     unbind.PATCH,
     count_nonzero.PATCH,

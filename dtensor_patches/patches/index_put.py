@@ -3,6 +3,10 @@
 Trigger: ``x.index_put_((idx,), v)`` / ``x[idx] = v`` / ``x.index_put_(..., accumulate=True)``
 with ``x`` sharded on an indexed dim (scattering per-token values into a sharded buffer).
 
+A ``Partial(sum)`` target (every other mesh dim replicated) stays ``Partial(sum)`` with no
+communication of the target: the values are written into the shares of mesh coordinate 0
+and zeros into the others, which is what torch does where it can run such a call.
+
 Fix: a custom handler (``dtensor_patches.handlers.inplace_through_full``): the write is applied
 to the gathered tensor and each rank copies its own shard of the result back into the caller's
 local tensor, so ``x`` changes in place, keeps its placements, and no write that lands on
@@ -12,19 +16,84 @@ another rank's shard is lost. The out-of-place ``index_put`` returns the same va
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from packaging.specifiers import SpecifierSet
 
+from dtensor_patches import compat
 from dtensor_patches._repro import Case, randn, run_cases
-from dtensor_patches.handlers import inplace_through_full, replicated_result
+from dtensor_patches.handlers import (
+    full_tensor,
+    inplace_through_full,
+    partial_shares,
+    replicated_result,
+)
 from dtensor_patches.patch import Handler, Patch
+
+
+def _sum_partial_only(x: Any) -> bool:
+    """Every mesh dim ``Partial(sum)`` or ``Replicate()``, at least one ``Partial(sum)``."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    placements = x.placements
+    return any(type(p) is Partial for p in placements) and all(
+        (type(p) is Partial and p.reduce_op == "sum") or isinstance(p, Replicate)
+        for p in placements
+    )
+
+
+def _put_into_partial(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """``index_put_`` into a ``Partial(sum)`` target, kept ``Partial(sum)`` with no
+    communication of the target (as torch does where it can run the call): the values go into
+    the shares of mesh coordinate 0, zeros into the others, so the shares reduce to the
+    single-device result for ``accumulate`` either way. Indices and values are gathered (they
+    are small next to the target)."""
+    bound = compat.op_arguments(op_call, tuple(args), dict(kwargs))
+    target = bound["self"]
+    indices = [full_tensor(i) for i in bound["indices"]]
+    values = full_tensor(bound["values"])
+    local = compat.local_tensor(target)
+    with torch.no_grad():
+        share = partial_shares(values, target.device_mesh, target.placements)
+        result = local.clone()
+        result.index_put_(indices, share.to(local.dtype), accumulate=bool(bound["accumulate"]))
+        local.copy_(result)
+    return target
+
+
+def _inplace(op_call: Any, args: Any, kwargs: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    target = args[0]
+    if isinstance(target, DTensor) and _sum_partial_only(target):
+        return _put_into_partial(op_call, args, kwargs)
+    return inplace_through_full(op_call, args, kwargs)
+
+
+def _functional(op_call: Any, args: Any, kwargs: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    target = args[0]
+    if isinstance(target, DTensor) and _sum_partial_only(target):
+        copy = DTensor.from_local(
+            compat.local_tensor(target).clone(),
+            target.device_mesh,
+            target.placements,
+            run_check=False,
+            shape=target.shape,
+            stride=target.stride(),
+        )
+        inplace_op = compat.resolve_op("aten.index_put_.default")
+        return _put_into_partial(inplace_op, (copy, *args[1:]), kwargs)
+    return replicated_result(op_call, args, kwargs)
 
 
 def _registrations() -> list[Handler]:
     return [
-        Handler("aten.index_put_.default", inplace_through_full),
-        Handler("aten._index_put_impl_.default", inplace_through_full),
-        Handler("aten.index_put.default", replicated_result),
+        Handler("aten.index_put_.default", _inplace),
+        Handler("aten._index_put_impl_.default", _inplace),
+        Handler("aten.index_put.default", _functional),
     ]
 
 
@@ -74,6 +143,21 @@ CASES = [
         ["S0", "R"],
     ),
 ]
+
+
+def _put_into_sum(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    p = x.sum(0)
+    return p.index_put_((torch.tensor([1, 3]),), v, accumulate=True)
+
+
+CASES.append(
+    Case(
+        "x.sum(0).index_put_(accumulate)",
+        _put_into_sum,
+        lambda: [randn(4, 6), randn(2, seed=1)],
+        ["S0", "R"],
+    )
+)
 
 
 def reproduce(mesh: object) -> str | None:

@@ -71,8 +71,8 @@ def _strategy(op_schema: Any, first: int) -> Any:
         seen.add(key)
         out = tuple(t[2] for t in triples)
         wanted = [
-            types.DTensorSpec(current_a.mesh, tuple(t[0] for t in triples), current_a.tensor_meta),
-            types.DTensorSpec(current_v.mesh, tuple(t[1] for t in triples), current_v.tensor_meta),
+            compat.spec_with_placements(current_a, tuple(t[0] for t in triples)),
+            compat.spec_with_placements(current_v, tuple(t[1] for t in triples)),
         ]
         strategies = [matrix, vector]
         if bias is not None:
@@ -84,7 +84,7 @@ def _strategy(op_schema: Any, first: int) -> Any:
                 for have, want in zip(bias_spec.placements, placements, strict=True)
             ):
                 continue  # DTensor cannot redistribute Shard -> Partial
-            wanted.insert(0, types.DTensorSpec(bias_spec.mesh, placements, bias_spec.tensor_meta))
+            wanted.insert(0, compat.spec_with_placements(bias_spec, placements))
             strategies.insert(0, bias)
         costs = [
             [redistribute_cost(s.output_spec, w) for s in st.strategies]

@@ -68,9 +68,7 @@ def _stack(op_schema: Any) -> Any:
         input_specs, costs = [], []
         for child in children:
             template = child.strategies[0].output_spec
-            spec = types.DTensorSpec(
-                mesh=template.mesh, placements=wanted, tensor_meta=template.tensor_meta
-            )
+            spec = compat.spec_with_placements(template, wanted)
             input_specs.append(spec)
             costs.append([redistribute_cost(s.output_spec, spec) for s in child.strategies])
         first = children[0].strategies[0].output_spec
