@@ -644,7 +644,10 @@ def _install_python_dispatch_hook(dispatcher: Any) -> None:
 
 
 def _uses_cpp_dispatch() -> bool:
-    return hasattr(op_dispatcher(), "_propagate_op_sharding_dispatch_slow_path")
+    """From 2.10 DTensor's dispatch entry point is C++ (pytorch/pytorch#167051): wrapping the
+    Python ``dispatch`` there would silently never run, so the release decides, not the
+    presence of an attribute (a moved slow path then fails loudly)."""
+    return torch_release() >= Version("2.10")
 
 
 def install_miss_hook() -> bool:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["RankError", "RankPool", "run_on_ranks"]
+__all__ = ["RankError", "RankPool", "layout_agrees", "run_on_ranks"]
 
 
 class RankError(RuntimeError):
@@ -210,3 +210,19 @@ def run_on_ranks(
     """Start a :class:`RankPool`, run ``fn`` once on every rank, close the pool."""
     with RankPool(world_size, env=env) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+def layout_agrees(dtensor: Any) -> bool:
+    """Whether a DTensor's local tensor is laid out in memory the way its spec says.
+
+    DTensor gives a result the global strides that shape propagation computed; the local kernel
+    may have produced another layout (a gathered, contiguous input where the global input was a
+    transposed view). Then ``.transpose(...).contiguous()`` is a no-op on the DTensor while its
+    local tensor stays non-contiguous, and a later ``view`` fails. Compares the order of the
+    dims by stride (outermost first) over the dims longer than 1 in both.
+    """
+    local = dtensor.to_local()
+    dims = [d for d in range(dtensor.ndim) if local.shape[d] > 1 and dtensor.shape[d] > 1]
+    by_global = sorted(dims, key=lambda d: (-dtensor.stride(d), d))
+    by_local = sorted(dims, key=lambda d: (-local.stride(d), d))
+    return by_global == by_local

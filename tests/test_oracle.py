@@ -75,6 +75,7 @@ def evaluate(
     import dtensor_patches
     from dtensor_patches import get
     from dtensor_patches._repro import parse_placement
+    from dtensor_patches.testing import layout_agrees
 
     op = ORACLE[op_name]
     mesh = _mesh(mesh_shape)
@@ -107,6 +108,11 @@ def evaluate(
         if len(got) != len(expected):
             problems.append(f"{len(got)} outputs != {len(expected)}")
         for i, (g, e) in enumerate(zip(got, expected, strict=False)):
+            if isinstance(g, DTensor) and not layout_agrees(g):
+                problems.append(
+                    f"output {i}: local strides {g.to_local().stride()} contradict the "
+                    f"spec's {g.stride()}"
+                )
             full = g.full_tensor() if isinstance(g, DTensor) else g
             if not _close(full.detach(), e.detach()):
                 problems.append(f"output {i}: {full.detach()!r} != {e.detach()!r}")
