@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -90,6 +90,21 @@ def _check_tp_divisibility(model: ValueModel, tp: int) -> None:
             raise ValueError(f"tp={tp} must divide {name}={n}")
 
 
+def _replicated_inputs(
+    _module: torch.nn.Module, inputs: tuple[object, ...], mesh: DeviceMesh
+) -> tuple[object, ...]:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _local_outputs(_module: torch.nn.Module, output: object, _mesh: DeviceMesh) -> object:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
 def apply_tp_sp(model: ValueModel, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True) -> None:
     """Apply the TP plan, with or without sequence parallelism, in place (Qwen2 / Llama).
 
@@ -97,9 +112,8 @@ def apply_tp_sp(model: ValueModel, tp_mesh: DeviceMesh, *, sequence_parallel: bo
     With ``sequence_parallel`` the embedding and the row-wise layers reduce-scatter to
     sequence-sharded DTensor outputs, the RMSNorms run sequence parallel, and activations
     between blocks are ``Shard(1)`` DTensors ``[B, S, H]`` (``S`` must be a multiple of the TP
-    degree). Without it those outputs are all-reduced to ``Replicate()`` DTensors and the
-    RMSNorm weights are replicated over TP: each TP rank holds the whole ``[B, S, H]``
-    activation, and any ``S`` works.
+    degree). Without it the row-wise layers all-reduce to full plain ``[B, S, H]`` tensors on
+    every TP rank and the RMSNorm weights are replicated over TP; any ``S`` works.
 
     Raises:
         ValueError: unsupported family or a head / intermediate size not divisible by tp.
@@ -142,33 +156,25 @@ def apply_tp_sp(model: ValueModel, tp_mesh: DeviceMesh, *, sequence_parallel: bo
             }
         )
     else:
-        # Outputs stay Replicate() DTensors (not local tensors) so that the replicated norm
-        # weights and the residual adds see DTensors on both sides.
+        # Megatron-style TP: the residual stream is plain full tensors, each column-wise layer
+        # all-reduces its input gradient and each row-wise layer its output. The RMSNorm
+        # weights are replicated DTensors (one 2-D mesh for every parameter, design §3), so the
+        # norms wrap their plain input as Replicate() and unwrap the output; the final norm
+        # hands a DTensor to the replicated head.
         parallelize_module(
-            backbone,
-            tp_mesh,
-            {
-                "embed_tokens": RowwiseParallel(
-                    input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=False
-                )
-            },
+            backbone, tp_mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())}
         )
         layer_plan.update(
-            {
-                "self_attn.o_proj": RowwiseParallel(
-                    output_layouts=Replicate(), use_local_output=False
-                ),
-                "mlp.down_proj": RowwiseParallel(
-                    output_layouts=Replicate(), use_local_output=False
-                ),
-            }
+            {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
         )
-        distribute_module(backbone.norm, tp_mesh)
+        distribute_module(backbone.norm, tp_mesh, input_fn=_replicated_inputs)
     for layer in backbone.layers:
         parallelize_module(layer, tp_mesh, layer_plan)
         if not sequence_parallel:
-            distribute_module(layer.input_layernorm, tp_mesh)
-            distribute_module(layer.post_attention_layernorm, tp_mesh)
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                distribute_module(
+                    norm, tp_mesh, input_fn=_replicated_inputs, output_fn=_local_outputs
+                )
     # Replicated head: params become Replicate DTensors; its input is the final norm's output.
     distribute_module(model.score, tp_mesh)
 

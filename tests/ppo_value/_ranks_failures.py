@@ -273,9 +273,9 @@ def bad_batches(
             if spoil:
                 b["loss_mask"][0, 2] = 2
         elif case.startswith("micro_"):
-            method = case.split("_")[1]
+            method, size = case.removeprefix("micro_").rsplit("_", 1)
             kwargs["micro_batch_size"] = {"zero": 0, "negative": -1, "float": 1.5, "bool": True}[
-                case.split("_")[2]
+                size
             ]
         else:
             raise ValueError(case)
@@ -305,7 +305,11 @@ def activation_layout(cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor]) 
         def hook(_module: Any, _inputs: Any, output: Any) -> None:
             out = output[0] if isinstance(output, tuple) else output
             if isinstance(out, DTensor):
-                seen[name] = (str(out.placements[-1]), int(out.shape[1]))
+                placement = out.placements[-1]
+                kind = (
+                    f"Shard({placement.dim})" if placement.is_shard() else type(placement).__name__
+                )
+                seen[name] = (kind, int(out.shape[1]))
             else:
                 seen[name] = ("local", int(out.shape[1]))
 
