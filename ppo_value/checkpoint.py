@@ -366,7 +366,6 @@ def load_checkpoint(
     agree(error, what="load_checkpoint", exc_type=FileNotFoundError)
     src = resolved[0]
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     found: dict[str, Any] = {}
 
     def validate() -> None:
@@ -375,15 +374,24 @@ def load_checkpoint(
         found["rng"] = _read_rng(src)
         if architecture is not None:
             _check_architecture(src, found["meta"], architecture)
-        _check_model_tensors(src, model_sd)
+        # get_model_state_dict, not get_state_dict: the latter initialises an optimizer that
+        # has never stepped (a zero-lr step), which a refused load must not do.
+        _check_model_tensors(src, get_model_state_dict(model))
 
     _step("load_checkpoint", validate)
+    never_stepped = not optimizer.state
+    model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": _fresh_buffers(model_sd), "optim": _fresh_buffers(optim_sd)}
 
     def read_shards() -> None:
         dcp.load(state, checkpoint_id=str(src / "dcp"))
 
-    _step(f"load_checkpoint: reading {src / 'dcp'}", read_shards)
+    try:
+        _step(f"load_checkpoint: reading {src / 'dcp'}", read_shards)
+    except CheckpointError:
+        if never_stepped:  # undo get_state_dict's initialisation of the optimizer state
+            optimizer.state.clear()
+        raise
     # Everything is read and checked: from here on nothing is expected to fail.
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]

@@ -147,6 +147,18 @@ def bad_checkpoints(
             "code_ran": os.path.exists(marker),
         }
         dist.barrier()
+    # A worker that never stepped: a refused load must not initialise its optimizer either.
+    fresh = ValueWorker(cfg.replace(seed=cfg.seed + 3))
+    weights = fresh.full_state_dict()
+    for kind in ("missing_trainer_state", "truncated_shard"):
+        if kind in kinds:
+            outcome = _outcome(lambda kind=kind: fresh.load_checkpoint(rootp / kind))
+            after = fresh.full_state_dict()
+            results[kind]["fresh_unchanged"] = (
+                outcome is not None
+                and not fresh.optimizer.state
+                and all(torch.equal(weights[k], after[k]) for k in weights)
+            )
     # the worker still loads a good checkpoint afterwards
     meta = worker.load_checkpoint(good)
     results["good"] = {"step": meta["step"], "worker_step": worker.step}

@@ -82,6 +82,7 @@ def test_bad_checkpoint_is_refused_and_changes_nothing(
     for r in per_rank:
         assert r["unchanged"], f"{kind}: the failed load changed the worker"
         assert not r["code_ran"], "unpickling trainer_state.pt ran code"
+        assert r.get("fresh_unchanged", True), f"{kind}: the failed load changed a fresh worker"
 
 
 def test_worker_still_loads_a_good_checkpoint_after_bad_ones(
