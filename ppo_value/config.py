@@ -57,8 +57,10 @@ class ValueConfig:
             or a token-classification export from :meth:`ValueWorker.export_hf`). No downloads.
         dp: data-parallel degree (FSDP2 sharding); ``dp * tp`` must equal the world size.
         tp: tensor-parallel degree; must divide the attention and key/value head counts.
-        sequence_parallel: shard activations along the sequence between TP blocks (only
-            meaningful with ``tp > 1``). Odd sequence lengths are padded and trimmed.
+        sequence_parallel: with ``tp > 1``, shard activations along the sequence between TP
+            blocks (sequence lengths that are not a multiple of ``tp`` are padded and trimmed);
+            ``False`` keeps them replicated over TP (all-reduces instead of reduce-scatters
+            and all-gathers, no padding). Ignored with ``tp == 1``.
         micro_batch_size: sequences per forward/backward on each dp rank.
         optimizer: ``"adamw"`` or ``"sgd"``.
         lr: learning rate (peak, after warm-up).

@@ -10,6 +10,10 @@ where ``N`` is the number of valid tokens in the *whole* optimisation batch (all
 micro-batches on all data-parallel ranks). With that ``N`` the summed micro-batch losses, and so
 the gradients, do not depend on how the batch is split. The clip fraction is the share of valid
 tokens where the clipped term is strictly larger (i.e. where clipping changed the loss).
+
+Masked positions influence neither the loss nor its gradient, whatever ``old_values`` and
+``returns`` hold there (NaN and inf included): inputs are selected with ``torch.where`` before
+any arithmetic, so no ``nan * 0`` reaches the sum or the backward pass.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppo_value._checks import as_float_mask, check_same_shape
+from ppo_value._checks import as_bool_mask, check_finite_at, check_same_shape, masked_sum
 
 __all__ = ["ClippedValueLoss", "ValueLossOutput", "clipped_value_loss"]
 
@@ -71,29 +75,36 @@ def clipped_value_loss(
         :class:`ValueLossOutput`; the loss is float32 or the values' dtype if wider.
 
     Raises:
-        ValueError: on shape mismatch, a non-0/1 mask, ``clip_range <= 0`` or ``N <= 0``
-            (e.g. an empty mask with no explicit ``N``).
+        ValueError: on shape mismatch, a non-0/1 mask, ``clip_range <= 0``, ``N <= 0``
+            (e.g. an empty mask with no explicit ``N``), or a NaN/inf in ``old_values`` or
+            ``returns`` at a valid position (key and position named). Non-finite ``values``
+            (the model's output) are not an error: they give a non-finite loss.
     """
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     if clip_range is not None and clip_range <= 0:
         raise ValueError(f"clip_range must be > 0 or None, got {clip_range}")
     dtype = torch.promote_types(values.dtype, torch.float32)
-    v = values.to(dtype)
-    r = returns.to(dtype)
-    m = as_float_mask(mask, dtype)
+    valid_mask = as_bool_mask(mask)
+    check_finite_at("returns", returns, valid_mask)
+    check_finite_at("old_values", old_values, valid_mask)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    # Select before computing: where() passes a zero gradient to the unselected branch, but
+    # a NaN computed from a masked input would still turn that zero into NaN.
+    v = torch.where(valid_mask, values.to(dtype), zero)
+    r = torch.where(valid_mask, returns.to(dtype), zero)
     unclipped = (v - r).square()
     if clip_range is not None:
-        old = old_values.to(dtype)
+        old = torch.where(valid_mask, old_values.to(dtype), zero)
         # clamp(v, old - c, old + c), not old + clamp(v - old): the latter is not exactly v
         # inside the range and rounding would count unclipped tokens as clipped.
         v_clip = torch.minimum(torch.maximum(v, old - clip_range), old + clip_range)
         clipped = (v_clip - r).square()
         per_tok = torch.maximum(unclipped, clipped)
-        clipped_tokens = ((clipped > unclipped).to(dtype) * m).sum().detach()
+        clipped_tokens = ((clipped > unclipped) & valid_mask).sum().to(dtype).detach()
     else:
         per_tok = unclipped
         clipped_tokens = torch.zeros((), dtype=dtype, device=v.device)
-    valid = m.sum().detach()
+    valid = valid_mask.sum().to(dtype)
     if num_valid_tokens is None:
         n = valid
     else:
@@ -102,7 +113,7 @@ def clipped_value_loss(
         raise ValueError(
             "the number of valid tokens is 0 (empty mask); the value loss is undefined"
         )
-    total = 0.5 * (per_tok * m).sum()
+    total = 0.5 * masked_sum(per_tok, valid_mask)
     return ValueLossOutput(
         loss=total / n,
         loss_sum=total.detach(),

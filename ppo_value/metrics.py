@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from ppo_value._checks import as_float_mask, check_same_shape
+from ppo_value._checks import as_bool_mask, check_same_shape, masked_sum
 
 __all__ = ["ValueStats", "explained_variance"]
 
@@ -56,21 +56,22 @@ class ValueStats:
 
     @torch.no_grad()
     def update(self, *, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> None:
-        """Accumulate ``[B, S]`` values (``V(s_t)``), returns and mask (bool or 0/1)."""
+        """Accumulate ``[B, S]`` values (``V(s_t)``), returns and mask (bool or 0/1); masked
+        positions are ignored whatever they hold."""
         check_same_shape(values=values, returns=returns, mask=mask)
-        m = as_float_mask(mask, torch.float64)
+        valid = as_bool_mask(mask)
         v = values.detach().to(torch.float64)
         r = returns.detach().to(torch.float64)
         res = r - v
-        n = float(m.sum())
+        n = float(valid.sum())
         self.count += n
-        self.sum_v += float((v * m).sum())
-        self.sum_r += float((r * m).sum())
-        self.sum_r2 += float((r.square() * m).sum())
-        self.sum_res += float((res * m).sum())
-        self.sum_res2 += float((res.square() * m).sum())
+        # torch.where, not a product with the mask: masked NaN/inf must not reach the sums.
+        self.sum_v += float(masked_sum(v, valid))
+        self.sum_r += float(masked_sum(r, valid))
+        self.sum_r2 += float(masked_sum(r.square(), valid))
+        self.sum_res += float(masked_sum(res, valid))
+        self.sum_res2 += float(masked_sum(res.square(), valid))
         if n > 0:
-            valid = m > 0
             self.min_v = min(self.min_v, float(v[valid].min()))
             self.max_v = max(self.max_v, float(v[valid].max()))
 

@@ -29,9 +29,10 @@ import warnings
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -89,48 +90,92 @@ def _check_tp_divisibility(model: ValueModel, tp: int) -> None:
             raise ValueError(f"tp={tp} must divide {name}={n}")
 
 
-def apply_tp_sp(model: ValueModel, tp_mesh: DeviceMesh) -> None:
-    """Apply the TP + SP plan in place (Qwen2 / Llama decoder layers).
+def _replicated_inputs(
+    _module: torch.nn.Module, inputs: tuple[object, ...], mesh: DeviceMesh
+) -> tuple[object, ...]:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
 
-    Embedding row-wise (sequence-sharded DTensor output), q/k/v and gate/up column-wise,
-    o_proj and down_proj row-wise with sequence-sharded DTensor outputs, RMSNorms sequence
-    parallel, the value head replicated. Activations between blocks are ``Shard(1)``
-    (sequence) DTensors of shape ``[B, S, H]``.
+
+def _local_outputs(_module: torch.nn.Module, output: object, _mesh: DeviceMesh) -> object:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def apply_tp_sp(model: ValueModel, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True) -> None:
+    """Apply the TP plan, with or without sequence parallelism, in place (Qwen2 / Llama).
+
+    q/k/v and gate/up column-wise, o_proj and down_proj row-wise, the value head replicated.
+    With ``sequence_parallel`` the embedding and the row-wise layers reduce-scatter to
+    sequence-sharded DTensor outputs, the RMSNorms run sequence parallel, and activations
+    between blocks are ``Shard(1)`` DTensors ``[B, S, H]`` (``S`` must be a multiple of the TP
+    degree). Without it the row-wise layers all-reduce to full plain ``[B, S, H]`` tensors on
+    every TP rank and the RMSNorm weights are replicated over TP; any ``S`` works.
 
     Raises:
         ValueError: unsupported family or a head / intermediate size not divisible by tp.
     """
     _check_tp_divisibility(model, tp_mesh.size())
     backbone = model.model
-    parallelize_module(
-        backbone,
-        tp_mesh,
-        {
-            "embed_tokens": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-            ),
-            "norm": SequenceParallel(use_local_output=False),
-        },
-    )
-    layer_plan = {
-        "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        ),
+    layer_plan: dict[str, ParallelStyle] = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
+    if sequence_parallel:
+        parallelize_module(
+            backbone,
+            tp_mesh,
+            {
+                "embed_tokens": RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+                ),
+                "norm": SequenceParallel(use_local_output=False),
+            },
+        )
+        layer_plan.update(
+            {
+                "input_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                "self_attn.o_proj": RowwiseParallel(
+                    output_layouts=Shard(1), use_local_output=False
+                ),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            }
+        )
+    else:
+        # Megatron-style TP: the residual stream is plain full tensors, each column-wise layer
+        # all-reduces its input gradient and each row-wise layer its output. The RMSNorm
+        # weights are replicated DTensors (one 2-D mesh for every parameter, design §3), so the
+        # norms wrap their plain input as Replicate() and unwrap the output; the final norm
+        # hands a DTensor to the replicated head.
+        parallelize_module(
+            backbone, tp_mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())}
+        )
+        layer_plan.update(
+            {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        )
+        distribute_module(backbone.norm, tp_mesh, input_fn=_replicated_inputs)
     for layer in backbone.layers:
         parallelize_module(layer, tp_mesh, layer_plan)
-    # Replicated head: params become Replicate DTensors; input is the Shard(1) final norm.
+        if not sequence_parallel:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                distribute_module(
+                    norm, tp_mesh, input_fn=_replicated_inputs, output_fn=_local_outputs
+                )
+    # Replicated head: params become Replicate DTensors; its input is the final norm's output.
     distribute_module(model.score, tp_mesh)
 
 
@@ -155,15 +200,20 @@ def apply_fsdp(model: ValueModel, dp_mesh: DeviceMesh, *, mixed_precision: bool)
 
 
 def parallelize_value_model(
-    model: ValueModel, mesh: DeviceMesh, *, mixed_precision: bool = False
+    model: ValueModel,
+    mesh: DeviceMesh,
+    *,
+    mixed_precision: bool = False,
+    sequence_parallel: bool = True,
 ) -> ValueModel:
-    """TP + SP over ``mesh["tp"]`` when its size is > 1, then FSDP2 over ``mesh["dp"]``.
+    """TP over ``mesh["tp"]`` when its size is > 1 (with sequence parallelism unless
+    ``sequence_parallel=False``), then FSDP2 over ``mesh["dp"]``.
 
     Returns the same (now sharded) module. ``tp == 1`` skips TP; ``dp == 1`` still wraps with
     FSDP2 (a no-op shard) so the code path is uniform.
     """
     if mesh["tp"].size() > 1:
-        apply_tp_sp(model, mesh["tp"])
+        apply_tp_sp(model, mesh["tp"], sequence_parallel=sequence_parallel)
     apply_fsdp(model, mesh["dp"], mixed_precision=mixed_precision)
     return model
 

@@ -6,7 +6,12 @@ on CPU, nccl on GPU; rank 0's node address and a free port found there), splits 
 dp (every TP rank of a dp group gets the same shard), and gathers results in rank order.
 
 A dead actor is reported as :class:`WorkerGroupError` naming the rank; the group is then shut
-down, since the surviving ranks may be blocked in a collective.
+down, since the surviving ranks may be blocked in a collective. The same holds for a partial
+failure: when one actor raises and the others do not all raise too within
+``failure_grace_s``, they are blocked in a collective the failed rank never joined (or they
+went on without it), so the group is shut down and the error says which rank failed first and
+why. An error every rank raises (the worker's validation and checkpoint errors are agreed
+among all ranks) leaves the group usable.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from ppo_value.config import ValueConfig
 
@@ -113,6 +118,9 @@ class ValueWorkerGroup:
         num_gpus_per_worker: Ray GPUs per actor; ``None`` means 1 if CUDA is available, else 0.
         num_threads: torch threads per actor (``None`` leaves torch's default).
         timeout_s: seconds to wait for any group call before declaring it hung.
+        failure_grace_s: after one actor raised, seconds to wait for the others to raise as
+            well (a collective error, the group stays up) before treating it as a partial
+            failure and shutting the group down.
         worker_log_level: ``logging`` level name inside the actors.
 
     Raises:
@@ -128,10 +136,12 @@ class ValueWorkerGroup:
         num_gpus_per_worker: float | None = None,
         num_threads: int | None = None,
         timeout_s: float = 1800.0,
+        failure_grace_s: float = 15.0,
         worker_log_level: str = "INFO",
     ) -> None:
         self.config = config
         self.timeout_s = timeout_s
+        self.failure_grace_s = failure_grace_s
         world = config.world_size
         if num_gpus_per_worker is None:
             num_gpus_per_worker = 1.0 if torch.cuda.is_available() else 0.0
@@ -167,6 +177,7 @@ class ValueWorkerGroup:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
+        succeeded: list[int] = []
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
@@ -180,6 +191,7 @@ class ValueWorkerGroup:
             rank = index[ref]
             try:
                 results[rank] = ray.get(ref)
+                succeeded.append(rank)
             except RayActorError as exc:
                 self.shutdown()
                 raise WorkerGroupError(
@@ -187,14 +199,47 @@ class ValueWorkerGroup:
                     "down because the other ranks may be stuck in a collective"
                 ) from exc
             except RayTaskError as exc:
-                # A method raised. If every rank raises (validation errors are collective),
-                # the group stays usable; collect the others briefly, then report.
-                try:
-                    ray.get(pending, timeout=60)
-                except (RayTaskError, RayActorError, GetTimeoutError):
-                    pass
-                raise WorkerGroupError(f"value worker rank {rank} raised:\n{exc}") from exc
+                self._after_task_error(rank, exc, pending, index, succeeded)
         return results
+
+    def _after_task_error(
+        self,
+        rank: int,
+        exc: RayTaskError,
+        pending: list[Any],
+        index: dict[Any, int],
+        succeeded: list[int],
+    ) -> None:
+        """Rank ``rank`` raised first. Keep the group only if every other rank raises too."""
+        ready, blocked = ray.wait(pending, num_returns=len(pending), timeout=self.failure_grace_s)
+        went_on = list(succeeded)
+        died: list[int] = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+                went_on.append(index[ref])
+            except RayTaskError:
+                pass
+            except RayActorError:
+                died.append(index[ref])
+        stuck = sorted(index[r] for r in blocked)
+        if not (stuck or went_on or died):
+            raise WorkerGroupError(f"value worker rank {rank} raised:\n{exc}") from exc
+        self.shutdown()
+        states = []
+        if stuck:
+            states.append(
+                f"ranks {stuck} were still running after {self.failure_grace_s} s (blocked in "
+                "a collective it never joined)"
+            )
+        if went_on:
+            states.append(f"ranks {sorted(went_on)} finished without it")
+        if died:
+            states.append(f"ranks {sorted(died)} died")
+        raise WorkerGroupError(
+            f"value worker rank {rank} failed first; {'; '.join(states)}, so the group was "
+            f"shut down (its actors killed). Rank {rank} raised:\n{exc}"
+        ) from exc
 
     def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         if not self.actors:

@@ -26,56 +26,45 @@ import torch.distributed as dist
 
 import dtensor_patches
 from ppo_value import checkpoint as ckpt
+from ppo_value._agree import agree
+from ppo_value._batch import INFER_KEYS, TRAIN_KEYS, check_batch, check_micro_batch_size
 from ppo_value.alignment import RightShiftLossWrapper, right_shift_values
 from ppo_value.config import ValueConfig
 from ppo_value.losses import ClippedValueLoss
 from ppo_value.metrics import ValueStats
 from ppo_value.model import ValueModel, build_value_model
 from ppo_value.parallel import build_mesh, pad_for_sequence_parallel, parallelize_value_model
+from ppo_value.patch_needs import check_patch_report
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ValueWorker"]
 
-_INFER_KEYS = ("input_ids", "attention_mask")
-_TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "old_values", "returns")
-
-
-def _validate_batch(batch: Mapping[str, torch.Tensor], keys: tuple[str, ...]) -> int:
-    missing = [k for k in keys if k not in batch]
-    if missing:
-        raise ValueError(f"batch is missing keys {missing}; needs {list(keys)}")
-    shape = tuple(batch[keys[0]].shape)
-    if len(shape) != 2:
-        raise ValueError(f"{keys[0]} must be [B, S], got {shape}")
-    bad = {k: tuple(batch[k].shape) for k in keys if tuple(batch[k].shape) != shape}
-    if bad:
-        raise ValueError(f"all batch tensors must have shape {shape}; got {bad}")
-    if shape[0] == 0 or shape[1] == 0:
-        raise ValueError(f"empty batch of shape {shape}")
-    return shape[0]
-
 
 class ValueWorker:
     """A PPO value model sharded with FSDP2 over dp and TP + SP over tp.
 
-    Calls :func:`dtensor_patches.apply_all` before building the model. Initialises the default
-    process group from the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) if it is
-    not initialised yet.
+    Calls :func:`dtensor_patches.apply_all` before building the model and checks its report
+    (:func:`ppo_value.patch_needs.check_patch_report`). Initialises the default process group
+    from the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) if it is not
+    initialised yet.
 
     Args:
         config: :class:`~ppo_value.config.ValueConfig`; ``dp * tp`` must equal the world size.
 
     Raises:
         ValueError: world size mismatch, unsupported model, or TP degree not dividing heads.
+        PatchRequirementError: a patch the critic needs failed to apply (named, with why);
+            other failed patches are one warning on rank 0.
     """
 
     def __init__(self, config: ValueConfig) -> None:
-        dtensor_patches.apply_all()
+        report = dtensor_patches.apply_all()
         self.config = config
         backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if not dist.is_initialized():
             dist.init_process_group(backend)
+        check_patch_report(report, warn=dist.get_rank() == 0)
         if dist.get_backend() == "nccl":
             local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             torch.cuda.set_device(local)
@@ -89,8 +78,12 @@ class ValueWorker:
         model = build_value_model(config).to(self.device)
         self.hf_config = model.config
         self.pad_token_id = int(model.config.pad_token_id or 0)
+        self.vocab_size = int(model.config.vocab_size)
         self.model: ValueModel = parallelize_value_model(
-            model, self.mesh, mixed_precision=config.mixed_precision
+            model,
+            self.mesh,
+            mixed_precision=config.mixed_precision,
+            sequence_parallel=config.sequence_parallel,
         )
         params = list(self.model.parameters())
         if config.optimizer == "adamw":
@@ -125,6 +118,21 @@ class ValueWorker:
         dist.all_reduce(t, op=op, group=self.dp_group)
         return t.tolist()
 
+    def _checked(
+        self, batch: Mapping[str, torch.Tensor], keys: tuple[str, ...], micro: int | None, what: str
+    ) -> tuple[int, int]:
+        """``(B, micro-batch size)`` after every rank checked its batch; raises the same
+        ``ValueError`` on every rank if any rank's batch or argument is bad."""
+        error: ValueError | None = None
+        sizes = (0, 0)
+        try:
+            size = check_micro_batch_size(micro, self.config.micro_batch_size)
+            sizes = (check_batch(batch, keys, self.vocab_size), size)
+        except ValueError as exc:
+            error = exc
+        agree(error, what=what, exc_type=ValueError)
+        return sizes
+
     def _check_dp_batch(self, batch_size: int, micro: int) -> None:
         n_micro = math.ceil(batch_size / micro)
         hi, neg_lo = self._dp_all_reduce([n_micro, -n_micro], dist.ReduceOp.MAX)
@@ -139,7 +147,7 @@ class ValueWorker:
         ids, mask, seq = pad_for_sequence_parallel(
             input_ids.to(self.device),
             attention_mask.to(self.device),
-            self.config.tp,
+            self.config.tp if self.config.sequence_parallel else 1,
             self.pad_token_id,
         )
         return self.model(ids, mask)[:, :seq]
@@ -160,11 +168,12 @@ class ValueWorker:
             whose ``attention_mask`` is 0 hold meaningless values; mask them downstream.
 
         Raises:
-            ValueError: missing keys, shape mismatch, empty batch, or dp ranks with different
+            ValueError: on every rank when any rank has missing keys, a shape mismatch, an
+                empty batch, token ids outside ``[0, vocab_size)``, a non-0/1 mask, or a
+                ``micro_batch_size`` that is not a positive int; or dp ranks with different
                 numbers of micro-batches.
         """
-        batch_size = _validate_batch(batch, _INFER_KEYS)
-        micro = micro_batch_size or self.config.micro_batch_size
+        batch_size, micro = self._checked(batch, INFER_KEYS, micro_batch_size, "get_values")
         self._check_dp_batch(batch_size, micro)
         out = []
         for start in range(0, batch_size, micro):
@@ -192,12 +201,18 @@ class ValueWorker:
             ``critic/num_tokens``, ``critic/grad_norm``, ``critic/lr``, ``critic/skipped_step``,
             ``critic/step``.
 
+        ``old_values`` and ``returns`` may hold anything (NaN, inf) where ``loss_mask`` is 0:
+        those positions influence neither the update nor the metrics.
+
         Raises:
-            ValueError: missing keys, shape mismatch, empty batch, an all-zero ``loss_mask``
-                over the global batch, or dp ranks with different numbers of micro-batches.
+            ValueError: on every rank when any rank has missing keys, a shape mismatch, an
+                empty batch, token ids outside ``[0, vocab_size)``, a non-0/1 mask, a NaN/inf
+                ``old_values`` or ``returns`` where ``loss_mask`` is 1 (key and position
+                named), or a ``micro_batch_size`` that is not a positive int; an all-zero
+                ``loss_mask`` over the global batch; dp ranks with different numbers of
+                micro-batches. Nothing is changed then.
         """
-        batch_size = _validate_batch(batch, _TRAIN_KEYS)
-        micro = micro_batch_size or self.config.micro_batch_size
+        batch_size, micro = self._checked(batch, TRAIN_KEYS, micro_batch_size, "train")
         self._check_dp_batch(batch_size, micro)
         (global_tokens,) = self._dp_all_reduce([float(batch["loss_mask"].sum())], dist.ReduceOp.SUM)
         if global_tokens == 0:
@@ -257,8 +272,17 @@ class ValueWorker:
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Atomically save model, optimizer, scheduler, step and RNG (DCP); collective.
-        See :mod:`ppo_value.checkpoint`. Returns the checkpoint path."""
-        meta = {"dp": self.config.dp, "tp": self.config.tp, "config": self.config.to_dict()}
+        See :mod:`ppo_value.checkpoint`. Returns the checkpoint path.
+
+        Raises:
+            CheckpointError: on every rank when any rank failed a step (the previous
+                checkpoint at ``path`` stays valid)."""
+        meta = {
+            "dp": self.config.dp,
+            "tp": self.config.tp,
+            "config": self.config.to_dict(),
+            "model": ckpt.model_architecture(self.hf_config),
+        }
         return ckpt.save_checkpoint(
             path,
             model=self.model,
@@ -273,9 +297,16 @@ class ValueWorker:
 
         Raises:
             FileNotFoundError: no complete checkpoint at ``path``.
+            CheckpointError: a missing, unreadable, unsafe or invalid file, or a checkpoint of
+                another model (architecture, parameter names or shapes); names the file and
+                the problem. The worker is then unchanged.
         """
         meta = ckpt.load_checkpoint(
-            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            architecture=ckpt.model_architecture(self.hf_config),
         )
         self.step = int(meta["step"])
         return meta

@@ -157,3 +157,39 @@ def test_gae_matches_naive_reference(
         exp_adv, exp_ret = _naive_gae(rewards[b], values[b], mask[b], gamma, lam)
         torch.testing.assert_close(adv[b], torch.tensor(exp_adv, dtype=torch.float64))
         torch.testing.assert_close(ret[b], torch.tensor(exp_ret, dtype=torch.float64))
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("garbage", [NAN, INF, -INF, 1e30])
+def test_masked_positions_influence_nothing(garbage: float) -> None:
+    """Issue 12 item 5: NaN/inf at masked positions used to make advantages NaN there and
+    whitening NaN everywhere (``nan * 0``)."""
+    rewards = T([[0.0, 5.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    values = T([[0.5, 9.0, 0.6, 0.7, 3.0], [0.2, 0.1, 0.4, 2.0, 1.0]])
+    mask = T([[1, 0, 1, 1, 0], [0, 1, 1, 0, 0]])
+    dirty_r, dirty_v = rewards.clone(), values.clone()
+    dirty_r[mask == 0] = garbage
+    dirty_v[mask == 0] = garbage
+    for whiten in (False, True):
+        clean = compute_gae(rewards, values, mask, gamma=0.9, lam=0.5, whiten_advantages=whiten)
+        dirty = compute_gae(dirty_r, dirty_v, mask, gamma=0.9, lam=0.5, whiten_advantages=whiten)
+        for c, d in zip(clean, dirty, strict=True):
+            assert torch.isfinite(d).all()
+            torch.testing.assert_close(d, c, rtol=0, atol=0)
+    x = T([[1.0, 2.0, 3.0, garbage]])
+    m = T([[1, 1, 1, 0]])
+    assert masked_mean(x, m).item() == pytest.approx(2.0)
+    assert masked_var(x, m).item() == pytest.approx(2.0 / 3.0)
+    assert masked_whiten(x, m)[0, 3].item() == 0.0
+
+
+@pytest.mark.parametrize(("key", "bad"), [("rewards", NAN), ("values", INF)])
+def test_non_finite_at_valid_position_is_named(key: str, bad: float) -> None:
+    inputs = {"rewards": torch.zeros(2, 3), "values": torch.zeros(2, 3)}
+    inputs[key][1, 2] = bad
+    with pytest.raises(ValueError, match=rf"{key} is not finite at valid position \(1, 2\)"):
+        compute_gae(inputs["rewards"], inputs["values"], torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"x is not finite at valid position \(1, 2\)"):
+        masked_whiten(inputs[key], torch.ones(2, 3))

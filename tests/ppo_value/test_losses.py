@@ -119,3 +119,33 @@ def test_loss_normalisation_independent_of_micro_batch_split(
     torch.testing.assert_close(total, whole.loss.detach())
     assert v_whole.grad is not None and v_split.grad is not None
     torch.testing.assert_close(v_split.grad, v_whole.grad)
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("clip", [0.2, None])
+def test_masked_nan_and_inf_change_neither_loss_nor_gradient(
+    garbage: float, clip: float | None
+) -> None:
+    """Issue 12 item 5: ``(per_tok * mask).sum()`` turned a masked NaN/inf into a NaN loss and
+    a NaN gradient. The masked token t4 holds garbage in old values and returns."""
+    old, ret = OLD.clone(), R.clone()
+    old[0, 4] = garbage
+    ret[0, 4] = garbage
+    v_clean = V.clone().requires_grad_(True)
+    v_dirty = V.clone().requires_grad_(True)
+    clean = clipped_value_loss(v_clean, OLD, R, MASK, clip_range=clip)
+    dirty = clipped_value_loss(v_dirty, old, ret, MASK, clip_range=clip)
+    clean.loss.backward()
+    dirty.loss.backward()
+    assert dirty.loss.item() == clean.loss.item()
+    assert dirty.clipped_tokens.item() == clean.clipped_tokens.item()
+    assert torch.equal(v_dirty.grad, v_clean.grad)
+    assert v_dirty.grad[0, 4].item() == 0.0
+
+
+@pytest.mark.parametrize("key", ["old_values", "returns"])
+def test_non_finite_target_at_valid_position_is_named(key: str) -> None:
+    inputs = {"old_values": OLD.clone(), "returns": R.clone()}
+    inputs[key][0, 2] = float("nan")
+    with pytest.raises(ValueError, match=rf"{key} is not finite at valid position \(0, 2\)"):
+        clipped_value_loss(V, inputs["old_values"], inputs["returns"], MASK, clip_range=0.2)

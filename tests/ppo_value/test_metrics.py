@@ -74,3 +74,17 @@ def test_as_metrics_golden() -> None:
     assert m["critic/num_tokens"] == 2
     # R - V = [0.5, 1.0]: var 0.0625; Var(R) = 0.25 -> EV 0.75
     assert m["critic/explained_var"] == pytest.approx(0.75)
+
+
+def test_masked_nan_and_inf_do_not_reach_the_statistics() -> None:
+    """Issue 12 item 5: masked garbage used to make every sum (and the metrics) NaN."""
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0, float("nan")]])
+    values = torch.tensor([[1.0, 2.0, 3.0, 3.0, float("inf")]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    stats = ValueStats()
+    stats.update(values=values, returns=returns, mask=mask)
+    metrics = stats.as_metrics()
+    assert metrics["critic/explained_var"] == pytest.approx(0.85, abs=1e-12)
+    assert metrics["critic/values_mean"] == pytest.approx(2.25)
+    assert metrics["critic/values_max"] == 3.0
+    assert metrics["critic/returns_mean"] == pytest.approx(2.5)

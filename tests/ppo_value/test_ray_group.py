@@ -86,3 +86,24 @@ def test_dead_actor_is_a_clear_error(ray_cluster: None) -> None:
         group.get_values(make_batch(4, 5))
     with pytest.raises(WorkerGroupError, match="shut down"):
         group.get_values(make_batch(4, 5))
+
+
+@pytest.mark.slow
+def test_partial_failure_shuts_the_group_down(ray_cluster: None) -> None:
+    """Issue 12 item 4: rank 1 raises before a collective that rank 0 is blocked in. The group
+    used to report the error but stay up, and send the next call to the blocked actor."""
+    group = ValueWorkerGroup(
+        ValueConfig(dp=2, tp=1), num_cpus_per_worker=1.0, num_threads=1, failure_grace_s=3.0
+    )
+    batch = make_batch(4, 5)
+    shard = {k: batch[k][:2] for k in ("input_ids", "attention_mask")}
+    blocked = group.actors[0].call.remote("get_values", shard)  # waits for rank 1 in a collective
+    failing = group.actors[1].call.remote("no_such_method")  # raises before joining it
+    with pytest.raises(WorkerGroupError) as info:
+        group._gather([blocked, failing])
+    message = str(info.value)
+    assert "rank 1 failed first" in message and "no_such_method" in message
+    assert "ranks [0] were still running" in message and "shut down" in message
+    assert group.actors == []
+    with pytest.raises(WorkerGroupError, match="shut down"):
+        group.get_values(batch)
