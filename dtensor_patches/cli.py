@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -162,7 +163,8 @@ class _TripwireTable:
             _print(line)
 
     def add(self, r: TripwireResult) -> None:
-        stock = "correct" if r.bug is None else f"bug: {r.bug}"
+        # One rank's words are enough in the table; -v and --json say which rank.
+        stock = "correct" if r.bug is None else "bug: " + re.sub(r"^\[rank \d+\] ", "", r.bug)
         _print(
             _text.row_line(
                 [r.verdict.value, r.patch, _text.format_gate(r.gate), r.with_patch.value, stock],

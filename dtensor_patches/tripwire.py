@@ -10,17 +10,20 @@ gloo mesh:
 3. where the gate includes this torch, apply the patch alone and run the reproducer again: it
    must now match the single-device result -> otherwise **ineffective**. Then revert.
 
-Torch's warnings during a tripwire (``index_reduce() is in beta``, gloo's missing
-``alltoall``...) are not printed: they are recorded in :attr:`TripwireResult.warnings`, and
-``dtensor-patches check -v`` shows them.
+Torch's warnings during a tripwire (Python warnings such as ``index_reduce() is in beta``, and
+what torch logs, such as ``CPU process group does not support alltoall yet``) are not printed:
+they are recorded in :attr:`TripwireResult.warnings`, and ``dtensor-patches check -v`` shows
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -160,15 +163,51 @@ def _warning_lines(caught: Iterable[warnings.WarningMessage]) -> list[str]:
     return lines
 
 
+class _Recorder(logging.Handler):
+    """Keeps the warnings torch logs (``CPU process group does not support alltoall yet``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage().strip()
+        self.lines.append(f"{record.name}: {text.splitlines()[0] if text else ''}")
+
+
+@contextlib.contextmanager
+def _torch_logs_recorded() -> Iterator[_Recorder]:
+    # torch's loggers print through handlers of their own (on ``torch`` and some children);
+    # swap them for the recorder while a tripwire runs, then put them back.
+    recorder = _Recorder()
+    names = ["torch"] + [
+        name
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.startswith("torch.") and isinstance(logger, logging.Logger) and logger.handlers
+    ]
+    saved = {}
+    for name in names:
+        logger = logging.getLogger(name)
+        saved[name] = logger.handlers[:]
+        logger.handlers = [recorder] if name == "torch" or saved[name] else []
+    try:
+        yield recorder
+    finally:
+        for name, handlers in saved.items():
+            logging.getLogger(name).handlers = handlers
+
+
 def _on_rank(names: Sequence[str], gates: Mapping[str, str]) -> list[dict[str, object]]:
     # Runs on every rank of a RankPool; the reproducers are collective.
     out = []
     for name in names:
         start = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _torch_logs_recorded() as logs:
             warnings.simplefilter("always")
             row = _one_patch(name, gates)
-        row["warnings"] = _warning_lines(caught)
+        lines = _warning_lines(caught)
+        lines += [line for line in dict.fromkeys(logs.lines) if line not in lines]
+        row["warnings"] = lines
         row["seconds"] = time.perf_counter() - start
         out.append(row)
     return out
