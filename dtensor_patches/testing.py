@@ -73,6 +73,11 @@ def _rank_main(
             warnings.simplefilter("always")
         import torch.distributed as dist
 
+        # gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks" on stdout (2.10): a quiet
+        # rank keeps that for the parent too.
+        printed = tempfile.TemporaryFile() if quiet else None
+        if printed is not None:
+            os.dup2(printed.fileno(), 1)
         try:
             dist.init_process_group(
                 backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
@@ -80,7 +85,16 @@ def _rank_main(
         except BaseException:  # noqa: BLE001 - sent to the parent instead of hanging it
             conn.send(("init-error", traceback.format_exc()))
             return
+        finally:
+            if printed is not None:
+                sys.stdout.flush()
+                os.dup2(2, 1)
     notes = [f"{w.category.__name__}: {w.message}" for w in caught or ()]
+    if printed is not None:
+        printed.seek(0)
+        text = printed.read().decode("utf-8", errors="replace")
+        notes += [f"[rank {rank}] {line}" for line in text.splitlines() if line.strip()]
+        printed.close()
     conn.send(("ready", notes))
     while True:
         try:

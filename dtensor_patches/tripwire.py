@@ -100,7 +100,6 @@ class TripwireResult:
         data = asdict(self)
         data["verdict"] = self.verdict.value
         data["warnings"] = list(self.warnings)
-        data["seconds"] = round(self.seconds, 3)
         data["stock"] = "correct" if self.bug is None else "bug"
         data["with_patch"] = self.with_patch.value
         return data
@@ -264,10 +263,30 @@ def _mesh() -> Any:
 
 
 def _gather(result: str | None) -> str | None:
+    """Every rank's reproducer result, combined by :func:`_agree` (collective).
+
+    Sent as UTF-8 bytes in uint8 tensors rather than with ``all_gather_object``, which needs
+    NumPy on some releases (2.10: ``RuntimeError: Numpy is not available``); torch does not
+    depend on NumPy, and neither do the tripwires.
+    """
+    import torch
     import torch.distributed as dist
 
-    everyone: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, result)
+    world = dist.get_world_size()
+    # b"" is "correct"; a bug is b"!" + its text, so an empty message still counts as a bug.
+    payload = b"" if result is None else b"!" + result.encode("utf-8")
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    buf[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
+    bufs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    everyone: list[str | None] = []
+    for s, b in zip(sizes, bufs, strict=True):
+        raw = bytes(b[: int(s.item())].tolist())
+        everyone.append(None if not raw else raw[1:].decode("utf-8", errors="replace"))
     return _agree(everyone)
 
 
