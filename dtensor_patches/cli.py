@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Sequence
@@ -339,8 +340,9 @@ def _summary(plan: Any, results: Sequence[TripwireResult], checked: bool) -> lis
         )
     if by[Verdict.STALE]:
         todo.append(
-            f"torch {release} fixed {', '.join(by[Verdict.STALE])}: the patch is no longer "
-            "needed (harmless; its gate should end before this release): report it"
+            f"torch {release} fixed {', '.join(by[Verdict.STALE])}: no longer needed here "
+            "(the reproducer is right with or without the patch), so its gate should end "
+            "before this release: report it"
         )
     if not todo:
         todo.append(
@@ -349,13 +351,10 @@ def _summary(plan: Any, results: Sequence[TripwireResult], checked: bool) -> lis
             else "run `dtensor-patches check` for the tripwires; "
             "call dtensor_patches.apply_all() before building the model"
         )
-    lines = _text.wrap("summary: " + "; ".join(facts) + ".", indent="", width=_text.WIDTH)
-    for item in todo:
-        lines += _text.wrap("to do: " + item, indent="", width=_text.WIDTH)
-    return [
-        line if n == 0 or line.startswith(("summary", "to do")) else "  " + line
-        for n, line in enumerate(lines)
-    ]
+    lines = []
+    for text in ["summary: " + "; ".join(facts) + ".", *("to do: " + item for item in todo)]:
+        lines += textwrap.wrap(text, width=_text.WIDTH, subsequent_indent="  ")
+    return lines
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

@@ -4,10 +4,11 @@ A Ray group of ``dp * tp`` CPU workers (default dp=2 x tp=2 with sequence parall
 the value model on rollouts of :class:`ppo_value.task.ArithmeticTask` (reward 1 only for a
 correct sum) from a random answer generator. Each step: sample rollouts, ``get_values``
 (old values), GAE returns, ``--ppo-epochs`` ``train`` steps on that batch (the value clip
-is active from the second). Logs ``critic/loss``, explained variance and
-grad norm per step under a tqdm bar, measures explained variance on a fixed held-out set of
-rollouts, saves ``critic_curve.png``, ``metrics.json`` and a checkpoint, reloads the checkpoint
-into a fresh group started from another seed and checks that the values match.
+is active from the second). On a terminal it logs ``critic/loss``, explained variance and
+grad norm per step under a tqdm bar; otherwise (a log file, CI) one line per held-out
+evaluation and no bar. It measures explained variance on a fixed held-out set of rollouts,
+saves ``critic_curve.png``, ``metrics.json``, a checkpoint and an ``hf/`` export, reloads the
+checkpoint into a fresh group started from another seed and checks that the values match.
 
 Exit status 1 if the reloaded values differ (> 1e-5) or, with ``--require-ev-gain X``, if the
 held-out explained variance did not rise by at least ``X``.

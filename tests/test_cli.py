@@ -229,3 +229,20 @@ def test_pytest_plugin_selects_and_trips(pytester: pytest.Pytester) -> None:
     tripped.stdout.fnmatch_lines(["*dtensor-patches tripwire: alias: *"])
     # Each item reports its own run: index_writes' warning is not in alias's failure report.
     assert "index_reduce" not in tripped.stdout.str()
+
+
+def test_doctor_summary_names_a_stale_or_too_narrow_gate() -> None:
+    wrong = "alias=<2.9" if get("alias").applies_to() else "alias=>=2.9"
+    verdict = "gate too narrow" if get("alias").applies_to() else "stale"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtensor_patches", "doctor", "--only", "alias", "--gate", wrong],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert _widest(proc.stdout) <= 100
+    tail = " ".join(proc.stdout[proc.stdout.rindex("summary: ") :].split())
+    assert f"tripwires: 0 ok, 1 {verdict} (alias)." in tail
+    assert "to do: " in tail and "alias" in tail.split("to do: ", 1)[1]
