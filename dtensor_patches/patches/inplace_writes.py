@@ -109,7 +109,6 @@ _OPS: dict[str, _Kind] = {
     "aten.uniform_.default": _Kind.OVERWRITES,
 }
 
-
 def _follow_self(op_schema: Any) -> Any:
     return elementwise_strategy(op_schema, driver=0)
 
