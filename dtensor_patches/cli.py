@@ -1,20 +1,55 @@
-"""``dtensor-patches`` / ``python -m dtensor_patches``: list, check, doctor."""
+"""``dtensor-patches`` / ``python -m dtensor_patches``: list, check, doctor.
+
+Every line of the plain output fits 100 columns (verdict first, long op lists and messages
+shortened); ``-v`` adds the details on indented lines, ``--json`` has all of them. torch is
+imported only by the commands that need it, so ``--help`` answers at once; ``check`` and
+``doctor`` start the tripwire ranks before importing it, so the two overlap.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
+import textwrap
+import time
+import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from dtensor_patches import registry
-from dtensor_patches.tripwire import TripwireResult, run_tripwires
+from dtensor_patches import _text
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from dtensor_patches.testing import RankPool
+    from dtensor_patches.tripwire import TripwireResult
+
+__all__ = ["main", "parse_gate_overrides"]
+
+
+def _load_torch(args: argparse.Namespace) -> None:
+    """Import torch and the registry; their import-time warnings (a missing NumPy) are kept
+    for ``-v`` instead of being printed."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import torch  # noqa: F401
+
+        from dtensor_patches import registry
+
+        registry.all_patches()
+    args.import_warnings = [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _patch_rows() -> list[dict[str, object]]:
+    from dtensor_patches import registry
+
     rows = []
     for patch in registry.all_patches():
         rows.append(
@@ -22,7 +57,7 @@ def _patch_rows() -> list[dict[str, object]]:
                 "name": patch.name,
                 "summary": patch.summary,
                 "ops": list(patch.ops),
-                "gate": str(patch.gate),
+                "gate": _text.format_gate(patch.gate),
                 "applies_to_this_torch": patch.applies_to(),
                 "replicates": patch.replicates,
                 "upstream_issue": patch.upstream_issue,
@@ -32,34 +67,47 @@ def _patch_rows() -> list[dict[str, object]]:
     return rows
 
 
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for n, row in enumerate(cells):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
+def _print(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def _details(label: str, text: object) -> None:
+    for line in _text.wrap(f"{label}: {text}", indent="    "):
+        _print(line)
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
+    _load_torch(args)
     rows = _patch_rows()
     if args.json:
         print(json.dumps({"torch_version": _torch_version(), "patches": rows}, indent=2))
         return 0
-    print(f"torch {_torch_version()}")
-    _print_table(
-        ["patch", "gate", "this torch", "ops", "upstream"],
+    applies = sum(bool(r["applies_to_this_torch"]) for r in rows)
+    _print(f"torch {_torch_version()}: {len(rows)} patches, {applies} apply to this release")
+    cells = [
         [
-            [
-                r["name"],
-                f"torch{r['gate']}",
-                "needed" if r["applies_to_this_torch"] else "gated out",
-                ", ".join(r["ops"]),  # type: ignore[arg-type]
-                r["upstream_fix"] or r["upstream_issue"] or "-",
-            ]
-            for r in rows
-        ],
-    )
+            r["name"],
+            r["gate"],
+            "applies" if r["applies_to_this_torch"] else "gated out",
+            ", ".join(_text.short_op(op) for op in r["ops"]),  # type: ignore[attr-defined]
+        ]
+        for r in rows
+    ]
+    head, widths = _text.table(["patch", "gate", "this torch", "ops"], cells, flexible=3)
+    for line in head:
+        _print(line)
+    for r, cell in zip(rows, cells, strict=True):
+        ops = _text.short_ops(r["ops"], widths[3])  # type: ignore[arg-type]
+        _print(_text.row_line([*cell[:3], ops], widths))
+        if args.verbose:
+            _details("what", r["summary"])
+            _details("ops", ", ".join(r["ops"]))  # type: ignore[arg-type]
+            if r["upstream_issue"]:
+                _details("upstream issue", r["upstream_issue"])
+            if r["upstream_fix"]:
+                _details("upstream fix", r["upstream_fix"])
+    if not args.verbose:
+        _print("(-v: every op, upstream issue and fix; --json: all of it)")
     return 0
 
 
@@ -84,36 +132,119 @@ def parse_gate_overrides(pairs: Sequence[str] | None) -> dict[str, str]:
     return overrides
 
 
-def _tripwires(args: argparse.Namespace) -> list[TripwireResult]:
-    return run_tripwires(
-        args.only or None,
-        world_size=args.world_size,
-        gate_overrides=parse_gate_overrides(args.gate),
-    )
+class _TripwireTable:
+    """Prints tripwire results as they arrive, in columns fixed up front."""
 
+    HEADERS = ("verdict", "patch", "gate", "with patch", "stock torch")
 
-def _print_tripwires(results: Sequence[TripwireResult]) -> None:
-    _print_table(
-        ["patch", "gate", "bug on stock torch", "with patch", "verdict"],
-        [
+    def __init__(self, names: Sequence[str], gates: Sequence[str], verbose: bool) -> None:
+        from dtensor_patches.tripwire import Verdict, WithPatch
+
+        sample = [
             [
-                r.patch,
-                f"torch{r.gate}",
-                r.bug or "none (correct)",
-                ("fixed" if r.after_patch is None else r.after_patch) if r.in_gate else "-",
-                r.verdict.value,
+                max((v.value for v in Verdict), key=len),
+                n,
+                g,
+                max((w.value for w in WithPatch), key=len),
+                "",
             ]
-            for r in results
-        ],
+            for n, g in zip(names, gates, strict=True)
+        ]
+        self.head, self.widths = _text.table(self.HEADERS, sample, flexible=4)
+        # The stock column takes every remaining column, so rows printed later fit too.
+        self.widths[4] = _text.WIDTH - sum(self.widths[:4]) - 2 * 4
+        self.head = [
+            _text.row_line(self.HEADERS, self.widths),
+            "  ".join("-" * w for w in self.widths),
+        ]
+        self.verbose = verbose
+
+    def start(self) -> None:
+        for line in self.head:
+            _print(line)
+
+    def add(self, r: TripwireResult) -> None:
+        # One rank's words are enough in the table; -v and --json say which rank.
+        stock = "correct" if r.bug is None else "bug: " + re.sub(r"^\[rank \d+\] ", "", r.bug)
+        _print(
+            _text.row_line(
+                [r.verdict.value, r.patch, _text.format_gate(r.gate), r.with_patch.value, stock],
+                self.widths,
+            )
+        )
+        if self.verbose:
+            if r.bug is not None:
+                _details("stock torch", r.bug)
+            if r.after_patch is not None:
+                _details("with patch", r.after_patch)
+            for line in r.warnings:
+                _details("warning", line)
+            _print(f"    {r.seconds:.1f} s")
+
+
+def _start_pool(args: argparse.Namespace) -> RankPool:
+    from dtensor_patches.tripwire import start_pool
+
+    return start_pool(args.world_size)
+
+
+def _run_tripwires(
+    args: argparse.Namespace, pool: RankPool, *, stream: bool
+) -> list[TripwireResult]:
+    """Validate the selection, then run it on ``pool``; with ``stream``, print each row as it
+    comes. Raises ``KeyError``/``ValueError`` on unknown names or bad gates (exit 2)."""
+    from dtensor_patches import registry
+    from dtensor_patches.tripwire import run_tripwires
+
+    overrides = parse_gate_overrides(args.gate)
+    names = list(args.only) if args.only else [p.name for p in registry.all_patches()]
+    gates = []
+    for name in names:
+        gate = overrides.get(name)
+        gates.append(_text.format_gate(gate if gate is not None else registry.get(name).gate))
+    for name in overrides:
+        registry.get(name)
+    table = _TripwireTable(names, gates, args.verbose) if stream else None
+    if table is not None:
+        _print(
+            f"torch {_torch_version()}: {len(names)} tripwire(s) on a {args.world_size}-rank "
+            "CPU gloo mesh"
+        )
+        table.start()
+    return run_tripwires(
+        names,
+        gate_overrides=overrides,
+        pool=pool,
+        on_result=table.add if table is not None else None,
     )
+
+
+def _print_failures(results: Sequence[TripwireResult]) -> None:
     for r in results:
         if not r.passed:
-            print(f"FAIL {r.message}")
+            for n, line in enumerate(_text.wrap(r.message, indent="  ")):
+                _print(("FAIL" + line[4:]) if n == 0 else line)
+
+
+def _print_quiet_warnings(args: argparse.Namespace, pool: RankPool | None) -> None:
+    notes = list(getattr(args, "import_warnings", []))
+    if pool is not None:
+        notes += [n for n in pool.startup_warnings if n not in notes]
+    if args.verbose and notes:
+        _print("warnings while importing torch (parent and ranks):")
+        for note in notes:
+            _details("warning", note)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    results = _tripwires(args)
-    failed = any(not r.passed for r in results)
+    start = time.perf_counter()
+    pool = _start_pool(args)
+    try:
+        _load_torch(args)
+        results = _run_tripwires(args, pool, stream=not args.json)
+    finally:
+        pool.close()
+    failed = sum(not r.passed for r in results)
     if args.json:
         print(
             json.dumps(
@@ -121,19 +252,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 indent=2,
             )
         )
-    else:
-        print(f"torch {_torch_version()}: tripwires on a {args.world_size}-rank CPU gloo mesh")
-        _print_tripwires(results)
-        print(
-            f"{sum(r.passed for r in results)} passed, {sum(not r.passed for r in results)} failed"
-        )
+        return 1 if failed else 0
+    _print_failures(results)
+    _print_quiet_warnings(args, pool)
+    if not args.verbose and any(r.warnings for r in results):
+        _print("(torch's warnings during the runs are hidden: -v shows them)")
+    _print(f"{len(results) - failed} passed, {failed} failed")
+    _print(f"({time.perf_counter() - start:.1f} s)")
     return 1 if failed else 0
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def _environment() -> dict[str, object]:
@@ -142,7 +268,7 @@ def _environment() -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from dtensor_patches import __version__, compat
+    from dtensor_patches import __version__, compat, registry
 
     backends = {
         name: bool(getattr(dist, f"is_{name}_available", lambda: False)())
@@ -162,52 +288,149 @@ def _environment() -> dict[str, object]:
     }
 
 
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    env = _environment()
-    plan = registry.plan()
-    results = [] if args.no_check else _tripwires(args)
-    failed = any(not r.passed for r in results)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "environment": env,
-                    "apply_all_would": plan.to_dict()["patches"],
-                    "tripwires": [r.to_dict() for r in results],
-                },
-                indent=2,
-            )
+def _plan_reason(outcome: Any) -> str:
+    from dtensor_patches import compat, registry
+    from dtensor_patches.report import Status
+
+    if outcome.status is Status.GATED_OUT:
+        gate = _text.format_gate(registry.get(outcome.name).gate)
+        return f"gate {gate} excludes {compat.torch_release()}"
+    return str(outcome.reason)
+
+
+def _summary(plan: Any, results: Sequence[TripwireResult], checked: bool) -> list[str]:
+    """doctor's closing lines: what applies, what is stale or broken, what to do."""
+    from dtensor_patches.report import Status
+    from dtensor_patches.tripwire import Verdict
+
+    release = str(plan.torch_version).split("+")[0]
+    applies = plan.names(Status.WOULD_APPLY) + plan.names(Status.ALREADY_APPLIED)
+    failed = plan.names(Status.FAILED)
+    off = plan.names(Status.DISABLED) + plan.names(Status.EXCLUDED)
+    facts = [f"{len(applies)} of {len(plan)} patches apply to torch {release}"]
+    if off:
+        facts.append(f"{len(off)} switched off")
+    if failed:
+        facts.append(f"{len(failed)} fail to apply ({', '.join(failed)})")
+    by = {v: [r.patch for r in results if r.verdict is v] for v in Verdict}
+    if checked:
+        tw = [f"{len(by[Verdict.OK])} ok"]
+        tw += [
+            f"{len(by[v])} {v.value} ({', '.join(by[v])})"
+            for v in Verdict
+            if v is not Verdict.OK and by[v]
+        ]
+        facts.append("tripwires: " + ", ".join(tw))
+    todo = []
+    if failed:
+        todo.append(
+            f"{', '.join(failed)} cannot be applied here (a torch internal moved, see the reason "
+            "above): pin a torch release the patches support and report it"
         )
-        return 1 if failed else 0
-    print(f"dtensor-patches {env['dtensor_patches']} on Python {env['python']}")
-    build = f"CUDA {env['cuda_build']}" if env["cuda_build"] else "CPU-only build"
-    print(
-        f"torch {env['torch_version']} (release {env['torch_release']}, {build}, git {env['torch_git']})"
-    )
-    print(f"CUDA available: {env['cuda_available']}")
-    backends = env["backends"]
-    assert isinstance(backends, dict)
-    print(
-        "distributed backends: "
-        + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items())
-    )
-    print()
-    print("apply_all() would:")
-    _print_table(["patch", "action", "reason"], [[o.name, o.status.value, o.reason] for o in plan])
-    if results:
-        print()
-        print(f"tripwires ({args.world_size}-rank CPU gloo mesh, stock torch vs each patch):")
-        _print_tripwires(results)
-    return 1 if failed else 0
+    if by[Verdict.GATE_TOO_NARROW]:
+        todo.append(
+            f"this torch still has the bug of {', '.join(by[Verdict.GATE_TOO_NARROW])} but the "
+            "gate skips the patch: expect that bug, and report the gate"
+        )
+    if by[Verdict.INEFFECTIVE]:
+        names = ",".join(by[Verdict.INEFFECTIVE])
+        todo.append(
+            f"the patch does not fix the bug here: set DTENSOR_PATCHES_DISABLE={names} "
+            "and report it"
+        )
+    if by[Verdict.STALE]:
+        todo.append(
+            f"torch {release} fixed {', '.join(by[Verdict.STALE])}: no longer needed here "
+            "(the reproducer is right with or without the patch), so its gate should end "
+            "before this release: report it"
+        )
+    if not todo:
+        todo.append(
+            "nothing to fix: call dtensor_patches.apply_all() before building the model"
+            if checked
+            else "run `dtensor-patches check` for the tripwires; "
+            "call dtensor_patches.apply_all() before building the model"
+        )
+    lines = []
+    for text in ["summary: " + "; ".join(facts) + ".", *("to do: " + item for item in todo)]:
+        lines += textwrap.wrap(text, width=_text.WIDTH, subsequent_indent="  ")
+    return lines
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from dtensor_patches import registry
+    from dtensor_patches.report import Status
+
+    pool = None if args.no_check else _start_pool(args)
+    try:
+        _load_torch(args)
+        env = _environment()
+        plan = registry.plan()
+        plan_failed = bool(plan.names(Status.FAILED))
+        if args.json:
+            results = [] if pool is None else _run_tripwires(args, pool, stream=False)
+            print(
+                json.dumps(
+                    {
+                        "environment": env,
+                        "apply_all_would": plan.to_dict()["patches"],
+                        "tripwires": [r.to_dict() for r in results],
+                    },
+                    indent=2,
+                )
+            )
+            return 1 if plan_failed or any(not r.passed for r in results) else 0
+        _print(f"dtensor-patches {env['dtensor_patches']} on Python {env['python']}")
+        build = f"CUDA {env['cuda_build']}" if env["cuda_build"] else "CPU-only build"
+        _print(f"torch {env['torch_version']} (release {env['torch_release']}, {build})")
+        if args.verbose:
+            _details("torch git", env["torch_git"])
+        _print(f"CUDA available: {env['cuda_available']}")
+        backends = env["backends"]
+        assert isinstance(backends, dict)
+        _print(
+            "distributed backends: "
+            + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items())
+        )
+        _print()
+        _print("apply_all() would:")
+        cells = [[o.name, o.status.value, _plan_reason(o)] for o in plan]
+        head, widths = _text.table(["patch", "action", "reason"], cells, flexible=2)
+        for line in head:
+            _print(line)
+        for cell in cells:
+            _print(_text.row_line(cell, widths))
+            if args.verbose and len(cell[2]) > widths[2]:
+                _details("reason", cell[2])
+        results = []
+        if pool is not None:
+            _print()
+            results = _run_tripwires(args, pool, stream=True)
+            _print_failures(results)
+    finally:
+        if pool is not None:
+            pool.close()
+    _print_quiet_warnings(args, pool)
+    _print()
+    for line in _summary(plan, results, checked=pool is not None):
+        _print(line)
+    return 1 if plan_failed or any(not r.passed for r in results) else 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dtensor-patches", description="Version-gated fixes for PyTorch DTensor gaps."
+        prog="dtensor-patches",
+        description="Version-gated fixes for PyTorch DTensor gaps: list the patches, run their "
+        "tripwires, diagnose this installation.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p_list = sub.add_parser("list", help="patches, gates, upstream links, status on this torch")
+    p_list = sub.add_parser(
+        "list", help="patches, gates, ops and whether each applies to this torch"
+    )
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
+    p_list.add_argument(
+        "-v", "--verbose", action="store_true", help="every op, upstream issue and fix"
+    )
     p_list.set_defaults(func=_cmd_list)
     for name, func, helptext in (
         (
@@ -215,19 +438,32 @@ def _parser() -> argparse.ArgumentParser:
             _cmd_check,
             "run the tripwires; exit 1 on a stale, too-narrow or ineffective patch",
         ),
-        ("doctor", _cmd_doctor, "torch build, backends, what apply_all() would do, tripwires"),
+        (
+            "doctor",
+            _cmd_doctor,
+            "torch build, backends, what apply_all() would do, the tripwires, a summary",
+        ),
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="full messages, torch's warnings during each run, seconds per patch",
+        )
+        p.add_argument(
             "--world-size", type=int, default=2, help="ranks in the CPU gloo mesh (default 2)"
         )
-        p.add_argument("--only", nargs="*", metavar="PATCH", help="check only these patches")
+        p.add_argument(
+            "--only", nargs="+", metavar="PATCH", help="run only these patches' tripwires"
+        )
         p.add_argument(
             "--gate",
             action="append",
             metavar="NAME=SPEC",
-            help="check a proposed gate instead of the registered one, e.g. 'alias=>=2.9,<2.11'",
+            help="check a proposed gate instead of the registered one, e.g. 'alias=>=2.9,<2.11' "
+            "(repeatable)",
         )
         if name == "doctor":
             p.add_argument("--no-check", action="store_true", help="skip the tripwires")
@@ -236,8 +472,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 ok, 1 a tripwire failed, 2 bad usage)."""
+    """Entry point; returns the exit code (0 ok, 1 a tripwire or patch failed, 2 bad usage)."""
     args = _parser().parse_args(argv)
+    if getattr(args, "world_size", 2) < 2:
+        print(
+            f"dtensor-patches: --world-size must be >= 2 (tripwires need a multi-rank mesh), "
+            f"got {args.world_size}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return int(args.func(args))
     except (KeyError, ValueError) as exc:

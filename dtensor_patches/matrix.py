@@ -119,6 +119,8 @@ def _problems(results: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 def render(results: dict[str, list[dict[str, Any]]]) -> str:
     """The markdown table: patch by release, ``stock → patched``."""
+    from dtensor_patches._text import format_gate
+
     releases = list(results)
     names: list[str] = []
     for rows in results.values():
@@ -138,7 +140,7 @@ def render(results: dict[str, list[dict[str, Any]]]) -> str:
         "|---|---|" + "---|" * len(releases),
     ]
     for name in names:
-        gate = next(index[(r, name)]["gate"] for r in releases if (r, name) in index)
+        gate = format_gate(next(index[(r, name)]["gate"] for r in releases if (r, name) in index))
         cells = [_cell(index.get((r, name))) for r in releases]
         lines.append(f"| `{name}` | `{gate}` | " + " | ".join(cells) + " |")
     lines += ["", "## What stock torch does", ""]

@@ -1,20 +1,30 @@
 """pytest plugin: ``pytest --dtensor-patches-check`` fails when a patch went stale.
 
-Registered through the ``pytest11`` entry point and off by default. With the flag, one test
-item per registered patch is added to the session (``dtensor-patches::<name>``); all the
-tripwires run once, in fresh spawned processes on a CPU gloo mesh, and each item reports its
-patch's verdict. A downstream project thus learns the day a torch upgrade makes a patch stale
-(upstream fixed it) or shows a gate too narrow (a release outside the gate still has the bug).
+Registered through the ``pytest11`` entry point and off by default. With the flag, the session
+collects one test item per registered patch, ``dtensor_patches::<name>`` (``-k alias``,
+``--deselect dtensor_patches::alias`` and the collected/selected counts work as for any
+test). Each item runs its own patch's tripwire on a CPU gloo mesh of spawned ranks; the ranks
+start once per session, on the first tripwire item that runs, and only if one does. A
+downstream project thus learns the day a torch upgrade makes a patch stale (upstream fixed it)
+or shows a gate too narrow (a release outside the gate still has the bug).
+
+torch's warnings during a tripwire are not printed; a failing item's report lists the ones of
+its own run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+if TYPE_CHECKING:
+    from dtensor_patches.testing import RankPool
+    from dtensor_patches.tripwire import TripwireResult
+
 _OPTION = "--dtensor-patches-check"
+_NODE = "dtensor_patches"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -23,14 +33,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         _OPTION,
         action="store_true",
         default=False,
-        help="run dtensor_patches tripwires: fail when a patch is stale or its gate too narrow",
+        help="collect one test per dtensor_patches patch (dtensor_patches::<name>) that runs "
+        "its tripwire: fails when the patch is stale, its gate too narrow, or it does not fix "
+        "its bug",
     )
     group.addoption(
         "--dtensor-patches-gate",
         action="append",
         default=[],
         metavar="NAME=SPEC",
-        help="check a proposed gate for a patch instead of its registered one",
+        help="check a proposed gate for a patch instead of its registered one (repeatable)",
     )
     group.addoption(
         "--dtensor-patches-world-size",
@@ -44,37 +56,58 @@ class TripwireFailure(Exception):
     """A patch's tripwire tripped."""
 
 
-class _Tripwires:
-    """Runs every tripwire once per session, on first use."""
+class _Ranks:
+    """The session's tripwire ranks: started by the first item that needs them, closed at the
+    end of the session (or after a timeout, then started again by the next item)."""
 
     def __init__(self, world_size: int, gate_overrides: dict[str, str]) -> None:
         self.world_size = world_size
         self.gate_overrides = gate_overrides
-        self._results: dict[str, Any] | None = None
+        self._pool: RankPool | None = None
 
-    def result(self, name: str) -> Any:
-        if self._results is None:
-            from dtensor_patches.tripwire import run_tripwires
+    def run(self, name: str) -> TripwireResult:
+        from dtensor_patches.tripwire import run_one, start_pool
 
-            self._results = {
-                r.patch: r
-                for r in run_tripwires(
-                    world_size=self.world_size, gate_overrides=self.gate_overrides
-                )
-            }
-        return self._results[name]
+        if self._pool is None or self._pool.closed:
+            self._pool = start_pool(self.world_size)
+        return run_one(self._pool, name, self.gate_overrides)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+class TripwireCollector(pytest.Collector):
+    """``dtensor_patches``: one :class:`TripwireItem` per registered patch."""
+
+    def __init__(self, *, ranks: _Ranks, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ranks = ranks
+
+    def collect(self) -> Iterator[pytest.Item]:
+        from dtensor_patches import registry
+
+        for patch in registry.all_patches():
+            yield TripwireItem.from_parent(self, name=patch.name, ranks=self.ranks)
 
 
 class TripwireItem(pytest.Item):
-    def __init__(self, *, tripwires: _Tripwires, patch_name: str, **kwargs: Any) -> None:
+    """``dtensor_patches::<name>``: runs one patch's tripwire."""
+
+    def __init__(self, *, ranks: _Ranks, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.tripwires = tripwires
-        self.patch_name = patch_name
+        self.ranks = ranks
+        self.result: TripwireResult | None = None
 
     def runtest(self) -> None:
-        result = self.tripwires.result(self.patch_name)
-        if not result.passed:
-            raise TripwireFailure(result.message)
+        self.result = self.ranks.run(self.name)
+        if self.result.warnings:
+            self.add_report_section(
+                "call", "torch warnings (hidden)", "\n".join(self.result.warnings)
+            )
+        if not self.result.passed:
+            raise TripwireFailure(self.result.message)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, TripwireFailure):
@@ -82,29 +115,46 @@ class TripwireItem(pytest.Item):
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[str, int | None, str]:
-        return "dtensor-patches", None, f"dtensor-patches::{self.patch_name}"
+        return _NODE, None, self.nodeid
 
 
-def pytest_collection_modifyitems(
-    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
-) -> None:
-    if not config.getoption(_OPTION):
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    # The tripwires join the session's top-level collectors, so they are collected (and
+    # counted, selected, deselected) like any test, before -k/-m/--deselect apply.
+    report = yield
+    config = collector.config
+    if isinstance(collector, pytest.Session) and config.getoption(_OPTION) and report.passed:
+        report.result.append(
+            TripwireCollector.from_parent(
+                collector, name=_NODE, nodeid=_NODE, ranks=config.stash[_RANKS]
+            )
+        )
+    return report
+
+
+_RANKS = pytest.StashKey[_Ranks]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption(_OPTION, default=False):
         return
-    from dtensor_patches import registry
     from dtensor_patches.cli import parse_gate_overrides
 
     try:
         overrides = parse_gate_overrides(config.getoption("--dtensor-patches-gate"))
-    except ValueError as exc:
-        raise pytest.UsageError(str(exc)) from exc
-    tripwires = _Tripwires(config.getoption("--dtensor-patches-world-size"), overrides)
-    items.extend(_items(session, tripwires, [p.name for p in registry.all_patches()]))
+        if overrides:
+            from dtensor_patches import registry
 
-
-def _items(
-    session: pytest.Session, tripwires: _Tripwires, names: list[str]
-) -> Iterator[pytest.Item]:
-    for name in names:
-        yield TripwireItem.from_parent(
-            session, name=f"dtensor-patches::{name}", tripwires=tripwires, patch_name=name
+            for name in overrides:
+                registry.get(name)
+    except (KeyError, ValueError) as exc:
+        raise pytest.UsageError(f"--dtensor-patches-gate: {exc.args[0]}") from exc
+    world_size = config.getoption("--dtensor-patches-world-size")
+    if world_size < 2:
+        raise pytest.UsageError(
+            f"--dtensor-patches-world-size must be >= 2 (a multi-rank mesh), got {world_size}"
         )
+    ranks = _Ranks(world_size, overrides)
+    config.stash[_RANKS] = ranks
+    config.add_cleanup(ranks.close)

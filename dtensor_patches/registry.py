@@ -8,6 +8,7 @@ import os
 from collections.abc import Collection, Iterator
 
 from dtensor_patches import compat
+from dtensor_patches._text import format_gate
 from dtensor_patches.errors import PatchError
 from dtensor_patches.patch import REGISTRY_LOCK, Patch
 from dtensor_patches.report import Outcome, Report, Status
@@ -78,7 +79,7 @@ def _decide(
         return Outcome(
             patch.name,
             Status.GATED_OUT,
-            f"gate torch{patch.gate} excludes {compat.torch_release()}",
+            f"gate {format_gate(patch.gate)} excludes {compat.torch_release()}",
         )
     if patch.is_applied:
         return Outcome(patch.name, Status.ALREADY_APPLIED)

@@ -11,12 +11,14 @@ test modules that pytest can import are importable there too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -50,6 +52,7 @@ def _rank_main(
     backend: str,
     sys_path: list[str],
     env: dict[str, str],
+    quiet: bool,
     conn: Connection,
 ) -> None:
     # Runs in a fresh interpreter (spawn): import torch here, not at module import time.
@@ -61,16 +64,38 @@ def _rank_main(
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
-    import torch.distributed as dist
+    # Quiet ranks keep start-up warnings for the parent (``startup_warnings``) instead of
+    # printing them: torch's import-time notes (a missing NumPy) are noise to whoever only
+    # wants the ranks' results.
+    recorder = warnings.catch_warnings(record=True) if quiet else contextlib.nullcontext()
+    with recorder as caught:
+        if quiet:
+            warnings.simplefilter("always")
+        import torch.distributed as dist
 
-    try:
-        dist.init_process_group(
-            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
-        )
-    except BaseException:  # noqa: BLE001 - sent to the parent instead of hanging it
-        conn.send(("init-error", traceback.format_exc()))
-        return
-    conn.send(("ready", None))
+        # gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks" on stdout (2.10): a quiet
+        # rank keeps that for the parent too.
+        printed = tempfile.TemporaryFile() if quiet else None
+        if printed is not None:
+            os.dup2(printed.fileno(), 1)
+        try:
+            dist.init_process_group(
+                backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+            )
+        except BaseException:  # noqa: BLE001 - sent to the parent instead of hanging it
+            conn.send(("init-error", traceback.format_exc()))
+            return
+        finally:
+            if printed is not None:
+                sys.stdout.flush()
+                os.dup2(2, 1)
+    notes = [f"{w.category.__name__}: {w.message}" for w in caught or ()]
+    if printed is not None:
+        printed.seek(0)
+        text = printed.read().decode("utf-8", errors="replace")
+        notes += [f"[rank {rank}] {line}" for line in text.splitlines() if line.strip()]
+        printed.close()
+    conn.send(("ready", notes))
     while True:
         try:
             message = conn.recv()
@@ -86,6 +111,11 @@ def _rank_main(
         else:
             conn.send(("ok", result))
     dist.destroy_process_group()
+    # Skip the interpreter's teardown of torch (about a second per rank): nothing is left to
+    # flush but the standard streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RankPool:
@@ -97,6 +127,12 @@ class RankPool:
         env: extra environment variables set on every rank before torch is imported there
             (e.g. ``{"DTENSOR_PATCHES_DISABLE": "all"}``).
         timeout: seconds to wait for one :meth:`run` (or for start-up) before failing.
+        wait: wait here until every rank has joined the process group. With ``False`` the
+            constructor returns once the processes are spawned, so the caller can work while
+            the ranks import torch; the first :meth:`run` (or :meth:`wait_ready`) waits, and
+            raises the start-up errors below.
+        quiet: record the warnings the ranks raise while starting (``startup_warnings``, one
+            ``"Category: message"`` per warning) instead of printing them.
 
     Raises:
         ValueError: ``world_size < 1``.
@@ -111,11 +147,15 @@ class RankPool:
         backend: str = "gloo",
         env: Mapping[str, str] | None = None,
         timeout: float = 600.0,
+        wait: bool = True,
+        quiet: bool = False,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
+        self.startup_warnings: list[str] = []
+        self._ready = False
         ctx = mp.get_context("spawn")
         self._tmpdir = tempfile.TemporaryDirectory(prefix="dtensor-patches-pg-")
         init_file = os.path.join(self._tmpdir.name, "init")
@@ -125,7 +165,16 @@ class RankPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, init_file, backend, list(sys.path), dict(env or {}), child),
+                args=(
+                    rank,
+                    world_size,
+                    init_file,
+                    backend,
+                    list(sys.path),
+                    dict(env or {}),
+                    quiet,
+                    child,
+                ),
                 daemon=True,
                 name=f"rank{rank}",
             )
@@ -133,6 +182,21 @@ class RankPool:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has joined the process group (at once if it has already).
+
+        Raises:
+            RuntimeError: the pool is closed.
+            RankError: a rank failed to start or join; the pool is then closed.
+            TimeoutError: a rank did not answer within ``timeout``.
+        """
+        if self._ready:
+            return
+        if not self._conns:
+            raise RuntimeError("RankPool is closed")
         try:
             replies = self._collect()
             failures = {r: tb for r, (kind, tb) in enumerate(replies) if kind != "ready"}
@@ -141,6 +205,11 @@ class RankPool:
         except BaseException:
             self.close()
             raise
+        for _, notes in replies:
+            for note in notes or ():
+                if note not in self.startup_warnings:
+                    self.startup_warnings.append(note)
+        self._ready = True
 
     def _collect(self) -> list[tuple[str, Any]]:
         replies: list[tuple[str, Any]] = []
@@ -167,6 +236,7 @@ class RankPool:
         """
         if not self._conns:
             raise RuntimeError("RankPool is closed")
+        self.wait_ready()
         for conn in self._conns:
             conn.send((fn, args, kwargs))
         replies = self._collect()
@@ -174,6 +244,11 @@ class RankPool:
         if failures:
             raise RankError(failures)
         return [payload for _, payload in replies]
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (also after a timeout or a failed start)."""
+        return not self._conns
 
     def close(self) -> None:
         """Stop the ranks and remove the rendezvous directory. Safe to call twice."""

@@ -9,18 +9,41 @@ gloo mesh:
    present -> **gate too narrow**;
 3. where the gate includes this torch, apply the patch alone and run the reproducer again: it
    must now match the single-device result -> otherwise **ineffective**. Then revert.
+
+Torch's warnings during a tripwire (Python warnings such as ``index_reduce() is in beta``, and
+what torch logs, such as ``CPU process group does not support alltoall yet``) are not printed:
+they are recorded in :attr:`TripwireResult.warnings`, and ``dtensor-patches check -v`` shows
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Mapping, Sequence
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["TripwireResult", "Verdict", "judge", "run_tripwires"]
+if TYPE_CHECKING:
+    from dtensor_patches.testing import RankPool
+
+__all__ = [
+    "TripwireResult",
+    "Verdict",
+    "WithPatch",
+    "judge",
+    "run_one",
+    "run_tripwires",
+    "start_pool",
+]
 
 
 class Verdict(str, enum.Enum):
+    """A tripwire's verdict; only ``OK`` passes."""
+
     OK = "ok"
     STALE = "stale"
     GATE_TOO_NARROW = "gate too narrow"
@@ -31,13 +54,23 @@ class Verdict(str, enum.Enum):
         return self is Verdict.OK
 
 
+class WithPatch(str, enum.Enum):
+    """What the reproducer gave with the patch applied."""
+
+    FIXED = "fixed"  # the single-device result
+    STILL_WRONG = "still wrong"  # ``after_patch`` says what
+    NOT_RUN = "not run"  # the gate excludes this torch, so the patch was not applied
+
+
 @dataclass(frozen=True)
 class TripwireResult:
     """One patch's tripwire on the running torch.
 
-    ``bug``: what the reproducer reported on stock torch (``None``: correct result).
-    ``after_patch``: what it reported with the patch applied (``None``: fixed; not run when
-    the gate excludes this torch).
+    ``bug``: what the reproducer reported on stock torch (``None``: the single-device result).
+    ``after_patch``: what it reported with the patch applied, when that was still wrong;
+    ``None`` otherwise: :attr:`with_patch` tells ``fixed`` from ``not run``.
+    ``warnings``: torch's warnings on the ranks while it ran (``"Category: message"``, each
+    once); ``seconds``: wall time of this patch's run on the mesh.
     """
 
     patch: str
@@ -48,15 +81,44 @@ class TripwireResult:
     after_patch: str | None
     verdict: Verdict
     message: str
+    warnings: tuple[str, ...] = ()
+    seconds: float = 0.0
 
     @property
     def passed(self) -> bool:
         return self.verdict.passed
 
+    @property
+    def with_patch(self) -> WithPatch:
+        if not self.in_gate:
+            return WithPatch.NOT_RUN
+        return WithPatch.FIXED if self.after_patch is None else WithPatch.STILL_WRONG
+
     def to_dict(self) -> dict[str, object]:
+        """JSON-ready: adds ``stock`` (``"bug"``/``"correct"``) and ``with_patch``
+        (``"fixed"``/``"still wrong"``/``"not run"``), so no ``null`` is ambiguous."""
         data = asdict(self)
         data["verdict"] = self.verdict.value
+        data["warnings"] = list(self.warnings)
+        data["stock"] = "correct" if self.bug is None else "bug"
+        data["with_patch"] = self.with_patch.value
         return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TripwireResult:
+        """The inverse of :meth:`to_dict` (derived keys are ignored)."""
+        return cls(
+            patch=data["patch"],
+            torch_version=data["torch_version"],
+            gate=data["gate"],
+            in_gate=data["in_gate"],
+            bug=data["bug"],
+            after_patch=data["after_patch"],
+            verdict=Verdict(data["verdict"]),
+            message=data["message"],
+            warnings=tuple(data.get("warnings", ())),
+            seconds=float(data.get("seconds", 0.0)),
+        )
 
 
 def judge(
@@ -90,53 +152,160 @@ def _agree(results: Sequence[str | None]) -> str | None:
     return None
 
 
+def _warning_lines(caught: Iterable[warnings.WarningMessage]) -> list[str]:
+    lines: list[str] = []
+    for w in caught:
+        text = str(w.message).strip()
+        line = f"{w.category.__name__}: {text.splitlines()[0] if text else ''}"
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+class _Recorder(logging.Handler):
+    """Keeps the warnings torch logs (``CPU process group does not support alltoall yet``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage().strip()
+        self.lines.append(f"{record.name}: {text.splitlines()[0] if text else ''}")
+
+
+@contextlib.contextmanager
+def _torch_logs_recorded() -> Iterator[_Recorder]:
+    # torch's loggers print through handlers of their own (on ``torch`` and some children);
+    # swap them for the recorder while a tripwire runs, then put them back.
+    recorder = _Recorder()
+    names = ["torch"] + [
+        name
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.startswith("torch.") and isinstance(logger, logging.Logger) and logger.handlers
+    ]
+    saved = {}
+    for name in names:
+        logger = logging.getLogger(name)
+        saved[name] = logger.handlers[:]
+        logger.handlers = [recorder] if name == "torch" or saved[name] else []
+    try:
+        yield recorder
+    finally:
+        for name, handlers in saved.items():
+            logging.getLogger(name).handlers = handlers
+
+
 def _on_rank(names: Sequence[str], gates: Mapping[str, str]) -> list[dict[str, object]]:
     # Runs on every rank of a RankPool; the reproducers are collective.
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from dtensor_patches import compat, registry
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    version = str(compat.torch_version())
     out = []
     for name in names:
-        patch = registry.get(name)
-        if name in gates:
-            patch = patch.with_gate(gates[name])
-        in_gate = patch.applies_to()
-        bug = _gather(patch.reproduce(mesh))
-        after_patch = None
-        if in_gate:
-            patch.apply()
-            try:
-                after_patch = _gather(patch.reproduce(mesh))
-            finally:
-                patch.revert()
-        verdict, message = judge(
-            patch=name, torch_version=version, in_gate=in_gate, bug=bug, after_patch=after_patch
-        )
-        out.append(
-            TripwireResult(
-                patch=name,
-                torch_version=version,
-                gate=str(patch.gate),
-                in_gate=in_gate,
-                bug=bug,
-                after_patch=after_patch,
-                verdict=verdict,
-                message=message,
-            ).to_dict()
-        )
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught, _torch_logs_recorded() as logs:
+            warnings.simplefilter("always")
+            row = _one_patch(name, gates)
+        lines = _warning_lines(caught)
+        lines += [line for line in dict.fromkeys(logs.lines) if line not in lines]
+        row["warnings"] = lines
+        row["seconds"] = time.perf_counter() - start
+        out.append(row)
     return out
 
 
+def _one_patch(name: str, gates: Mapping[str, str]) -> dict[str, Any]:
+    from dtensor_patches import compat, registry
+
+    mesh = _mesh()
+    version = str(compat.torch_version())
+    patch = registry.get(name)
+    if name in gates:
+        patch = patch.with_gate(gates[name])
+    in_gate = patch.applies_to()
+    bug = _gather(patch.reproduce(mesh))
+    after_patch = None
+    if in_gate:
+        patch.apply()
+        try:
+            after_patch = _gather(patch.reproduce(mesh))
+        finally:
+            patch.revert()
+    verdict, message = judge(
+        patch=name, torch_version=version, in_gate=in_gate, bug=bug, after_patch=after_patch
+    )
+    return {
+        "patch": name,
+        "torch_version": version,
+        "gate": str(patch.gate),
+        "in_gate": in_gate,
+        "bug": bug,
+        "after_patch": after_patch,
+        "verdict": verdict.value,
+        "message": message,
+    }
+
+
+# registry.DISABLE_ENV, spelled out: importing the registry imports torch, and the ranks
+# should start before this process spends a second on that.
+_DISABLE_ENV = "DTENSOR_PATCHES_DISABLE"
+
+_MESH: Any = None
+
+
+def _mesh() -> Any:
+    # One 1-D mesh over the pool's ranks, built on first use and reused by every later run.
+    global _MESH
+    if _MESH is None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
+    return _MESH
+
+
 def _gather(result: str | None) -> str | None:
+    """Every rank's reproducer result, combined by :func:`_agree` (collective).
+
+    Sent as UTF-8 bytes in uint8 tensors rather than with ``all_gather_object``, which needs
+    NumPy on some releases (2.10: ``RuntimeError: Numpy is not available``); torch does not
+    depend on NumPy, and neither do the tripwires.
+    """
+    import torch
     import torch.distributed as dist
 
-    everyone: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, result)
+    world = dist.get_world_size()
+    # b"" is "correct"; a bug is b"!" + its text, so an empty message still counts as a bug.
+    payload = b"" if result is None else b"!" + result.encode("utf-8")
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    buf[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
+    bufs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    everyone: list[str | None] = []
+    for s, b in zip(sizes, bufs, strict=True):
+        raw = bytes(b[: int(s.item())].tolist())
+        everyone.append(None if not raw else raw[1:].decode("utf-8", errors="replace"))
     return _agree(everyone)
+
+
+def start_pool(world_size: int = 2, *, timeout: float = 600.0) -> RankPool:
+    """Start the ranks the tripwires run on, without waiting for them to be ready.
+
+    The ranks import torch and join their gloo process group while the caller goes on; the
+    first :func:`run_tripwires` call on the pool waits for them. Start-up warnings are kept
+    in ``pool.startup_warnings`` instead of being printed. The caller closes the pool.
+
+    Raises:
+        ValueError: ``world_size < 2``.
+    """
+    from dtensor_patches.testing import RankPool
+
+    if world_size < 2:
+        raise ValueError(f"tripwires need a multi-rank mesh, world_size >= 2, got {world_size}")
+    # The ranks apply patches one at a time themselves; the env switch must not hide any.
+    return RankPool(world_size, env={_DISABLE_ENV: ""}, timeout=timeout, wait=False, quiet=True)
 
 
 def run_tripwires(
@@ -145,15 +314,21 @@ def run_tripwires(
     world_size: int = 2,
     gate_overrides: Mapping[str, str] | None = None,
     timeout: float = 600.0,
+    pool: RankPool | None = None,
+    on_result: Callable[[TripwireResult], None] | None = None,
 ) -> list[TripwireResult]:
     """Run the tripwires of ``names`` (default: every registered patch) in fresh processes.
 
     Args:
         names: patch names; unknown names raise ``KeyError``.
-        world_size: ranks in the CPU gloo mesh (>= 2 to exercise real sharding).
+        world_size: ranks in the CPU gloo mesh (>= 2 to exercise real sharding); ignored when
+            ``pool`` is given.
         gate_overrides: ``{name: specifier}`` to check a different gate than the registered
             one (how the tests prove a widened or narrowed gate trips).
-        timeout: seconds for the whole run.
+        timeout: seconds for one patch's run (and for the ranks' start-up).
+        pool: ranks from :func:`start_pool` to run on (left open); default: a pool started
+            and closed by this call.
+        on_result: called with each result as soon as it is known (progress output).
 
     Raises:
         KeyError: an unknown patch name.
@@ -161,10 +336,8 @@ def run_tripwires(
         dtensor_patches.testing.RankError: a rank crashed (the traceback is attached).
     """
     from dtensor_patches import registry
-    from dtensor_patches.registry import DISABLE_ENV
-    from dtensor_patches.testing import RankPool
 
-    if world_size < 2:
+    if pool is None and world_size < 2:
         raise ValueError(f"tripwires need a multi-rank mesh, world_size >= 2, got {world_size}")
     selected = [p.name for p in registry.all_patches()] if names is None else list(names)
     for name in selected:
@@ -172,10 +345,34 @@ def run_tripwires(
     gates = dict(gate_overrides or {})
     for name in gates:
         registry.get(name)
-    # The ranks apply patches one at a time themselves; the env switch must not hide any.
-    with RankPool(world_size, env={DISABLE_ENV: ""}, timeout=timeout) as pool:
-        per_rank = pool.run(_on_rank, selected, gates)
-    return [
-        TripwireResult(**{**row, "verdict": Verdict(row["verdict"])})  # type: ignore[arg-type]
-        for row in per_rank[0]
-    ]
+    own = pool is None
+    if pool is None:
+        pool = start_pool(world_size, timeout=timeout)
+    try:
+        results = []
+        for name in selected:
+            result = run_one(pool, name, gates)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+        return results
+    finally:
+        if own:
+            pool.close()
+
+
+def run_one(pool: RankPool, name: str, gates: Mapping[str, str] | None = None) -> TripwireResult:
+    """Run one patch's tripwire on ``pool``; warnings from every rank are merged.
+
+    Raises:
+        dtensor_patches.testing.RankError: a rank crashed.
+    """
+    per_rank = pool.run(_on_rank, [name], dict(gates or {}))
+    row = dict(per_rank[0][0])
+    merged: list[str] = []
+    for rank_rows in per_rank:
+        for line in rank_rows[0]["warnings"]:  # type: ignore[union-attr]
+            if line not in merged:
+                merged.append(line)
+    row["warnings"] = merged
+    return TripwireResult.from_dict(row)

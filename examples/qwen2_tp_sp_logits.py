@@ -3,7 +3,7 @@
 Two CPU ranks (gloo), a tiny random Qwen2 built from its config in-process (no downloads). Every
 rank builds the same weights from one seed, keeps a plain single-device copy as the reference,
 and parallelises the other copy with an explicit TP + SP plan (torchtitan style: SP regions stay
-DTensors, see design notes §3). On torch 2.9 the forward fails without ``apply_all()``:
+DTensors, see docs/design.md §3). On torch 2.9 the forward fails without ``apply_all()``:
 ``hidden_states[:, slice_indices, :]`` on the sequence-sharded hidden states becomes
 ``aten.alias.default`` when the slice spans the whole sequence (``logits_to_keep=0``, every
 position: the training and value paths), which has no sharding strategy there

@@ -18,10 +18,16 @@ Modules, one job each:
 Heavy modules (torch.distributed, transformers, ray) are imported lazily by their users.
 """
 
-from ppo_value.alignment import RightShiftLossWrapper, right_shift_values
-from ppo_value.config import ValueConfig
-from ppo_value.gae import compute_gae, masked_whiten
-from ppo_value.losses import clipped_value_loss
+import warnings
+
+with warnings.catch_warnings():
+    # Without NumPy (it comes with the ppo extra), torch warns at import time that it could not
+    # initialise it; nothing imported here converts to NumPy, so the warning is noise.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    from ppo_value.alignment import RightShiftLossWrapper, right_shift_values
+    from ppo_value.config import ValueConfig
+    from ppo_value.gae import compute_gae, masked_whiten
+    from ppo_value.losses import clipped_value_loss
 
 __all__ = [
     "RightShiftLossWrapper",

@@ -4,10 +4,11 @@ A Ray group of ``dp * tp`` CPU workers (default dp=2 x tp=2 with sequence parall
 the value model on rollouts of :class:`ppo_value.task.ArithmeticTask` (reward 1 only for a
 correct sum) from a random answer generator. Each step: sample rollouts, ``get_values``
 (old values), GAE returns, ``--ppo-epochs`` ``train`` steps on that batch (the value clip
-is active from the second). Logs ``critic/loss``, explained variance and
-grad norm per step under a tqdm bar, measures explained variance on a fixed held-out set of
-rollouts, saves ``critic_curve.png``, ``metrics.json`` and a checkpoint, reloads the checkpoint
-into a fresh group started from another seed and checks that the values match.
+is active from the second). On a terminal it logs ``critic/loss``, explained variance and
+grad norm per step under a tqdm bar; otherwise (a log file, CI) one line per held-out
+evaluation and no bar. It measures explained variance on a fixed held-out set of rollouts,
+saves ``critic_curve.png``, ``metrics.json``, a checkpoint and an ``hf/`` export, reloads the
+checkpoint into a fresh group started from another seed and checks that the values match.
 
 Exit status 1 if the reloaded values differ (> 1e-5) or, with ``--require-ev-gain X``, if the
 held-out explained variance did not rise by at least ``X``.
@@ -16,20 +17,35 @@ held-out explained variance did not rise by at least ``X``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# The demo needs the ``ppo`` extra; say so instead of failing on the first missing import.
+_PPO_EXTRA = ("tokenizers", "transformers", "safetensors", "ray", "tqdm", "matplotlib")
+_MISSING = [name for name in _PPO_EXTRA if importlib.util.find_spec(name) is None]
+if _MISSING:
+    _HINT = (
+        f"python -m ppo_value.demo needs the 'ppo' extra (missing: {', '.join(_MISSING)}): "
+        "pip install 'dtensor-patches[ppo]' (from a clone: pip install -e '.[ppo]')"
+    )
+    if __name__ == "__main__":
+        raise SystemExit(_HINT)
+    raise ModuleNotFoundError(_HINT, name=_MISSING[0])
 
-from ppo_value.config import ValueConfig
-from ppo_value.gae import compute_gae
-from ppo_value.metrics import explained_variance
-from ppo_value.task import ArithmeticTask, Rollouts, build_tokenizer
+import torch  # noqa: E402
+
+from ppo_value.config import ValueConfig  # noqa: E402
+from ppo_value.gae import compute_gae  # noqa: E402
+from ppo_value.metrics import explained_variance  # noqa: E402
+from ppo_value.task import ArithmeticTask, Rollouts, build_tokenizer  # noqa: E402
 
 log = logging.getLogger("ppo_value.demo")
 
@@ -85,8 +101,14 @@ def _heldout_ev(group: Any, heldout: Rollouts, returns: torch.Tensor) -> float:
     return explained_variance(values, returns, heldout.loss_mask)
 
 
-def save_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], path: Path) -> None:
-    """Write a 2x2 PNG of loss, explained variance (train and held-out), grad norm, clip."""
+def save_plot(
+    history: list[dict[str, float]],
+    evals: list[tuple[int, float]],
+    path: Path,
+    title: str = "PPO critic",
+) -> None:
+    """Write a 2x2 PNG of loss, explained variance (train and held-out), grad norm, clip
+    fraction against the training step, under ``title`` (what ran)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,21 +118,36 @@ def save_plot(history: list[dict[str, float]], evals: list[tuple[int, float]], p
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     axes[0, 0].plot(steps, [h["critic/loss"] for h in history])
     axes[0, 0].set_title("critic/loss")
+    axes[0, 0].set_ylabel("clipped value loss")
     axes[0, 1].plot(
         steps, [h["critic/explained_var"] for h in history], label="train batch", alpha=0.6
     )
     axes[0, 1].plot([s for s, _ in evals], [e for _, e in evals], "o-", label="held-out")
     axes[0, 1].set_title("explained variance")
+    axes[0, 1].set_ylabel("1 - Var(R - V) / Var(R)")
     axes[0, 1].legend()
     axes[1, 0].plot(steps, [h["critic/grad_norm"] for h in history])
     axes[1, 0].set_title("critic/grad_norm")
+    axes[1, 0].set_ylabel("L2 norm before clipping")
     axes[1, 1].plot(steps, [h["critic/clip_fraction"] for h in history])
     axes[1, 1].set_title("critic/clip_fraction")
+    axes[1, 1].set_ylabel("fraction of tokens clipped")
     for ax in axes.flat:
         ax.set_xlabel("step")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _readable(path: Path) -> None:
+    """Give an export the permissions of an ordinary file the user wrote (umask applied):
+    the safetensors writer leaves 0600 files, which other users of the model cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in paths:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     from ppo_value.ray_group import ValueWorkerGroup
 
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # INFO for this project's loggers only: other libraries' INFO lines (matplotlib's font
+    # cache) are nothing a user can act on.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("ppo_value").setLevel(logging.INFO)
+    if args.ray_address is None:
+        # The demo's own local cluster: say explicitly that it runs without token
+        # authentication (Ray's default), which also stops Ray warning about it at start-up.
+        # RAY_AUTH_MODE=token in the environment turns authentication on.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # A bar and per-step lines only on a terminal; in a log file, one line per evaluation.
+    interactive = sys.stdout.isatty() and sys.stderr.isatty()
     out: Path = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -153,8 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     history: list[dict[str, float]] = []
     evals: list[tuple[int, float]] = [(0, _heldout_ev(group, heldout, heldout_returns))]
     log.info("held-out explained variance before training: %.3f", evals[0][1])
-    with logging_redirect_tqdm(), tqdm(range(1, args.steps + 1), desc="critic", unit="step") as bar:
-        for step in bar:
+    with contextlib.ExitStack() as stack:
+        steps: Any = range(1, args.steps + 1)
+        bar: Any = None
+        if interactive:
+            stack.enter_context(logging_redirect_tqdm())
+            bar = steps = stack.enter_context(tqdm(steps, desc="critic", unit="step"))
+        for step in steps:
             roll = task.sample(args.batch_size, gen)
             group.prepare_for_inference()
             old_values = group.get_values(_batch(roll))
@@ -175,21 +227,32 @@ def main(argv: list[str] | None = None) -> int:
             group.finish_training()
             metrics["step"] = step
             history.append(metrics)
-            log.info(
-                "step %d critic/loss %.4f explained_var %.3f grad_norm %.3f",
-                step,
-                metrics["critic/loss"],
-                metrics["critic/explained_var"],
-                metrics["critic/grad_norm"],
+            line = (
+                f"step {step} critic/loss {metrics['critic/loss']:.4f} "
+                f"explained_var {metrics['critic/explained_var']:.3f} "
+                f"grad_norm {metrics['critic/grad_norm']:.3f}"
             )
+            if interactive:
+                log.info("%s", line)
             if step % args.eval_every == 0 or step == args.steps:
                 evals.append((step, _heldout_ev(group, heldout, heldout_returns)))
-                log.info("step %d held-out explained variance %.3f", step, evals[-1][1])
-            bar.set_postfix(loss=f"{metrics['critic/loss']:.4f}", ev=f"{evals[-1][1]:.3f}")
+                log.info(
+                    "%s held-out explained variance %.3f (%.0f s)",
+                    line,
+                    evals[-1][1],
+                    time.perf_counter() - t0,
+                )
+            if bar is not None:
+                bar.set_postfix(loss=f"{metrics['critic/loss']:.4f}", ev=f"{evals[-1][1]:.3f}")
     train_s = time.perf_counter() - t0
-    save_plot(history, evals, out / "critic_curve.png")
+    title = (
+        f"PPO critic: Qwen2 ({config.model_config['num_hidden_layers']} layers, hidden "
+        f"{config.model_config['hidden_size']}), dp={args.dp} x tp={args.tp} + SP, "
+        f"{args.steps} steps, seed {args.seed}"
+    )
+    save_plot(history, evals, out / "critic_curve.png", title)
     ckpt = group.save_checkpoint(out / "checkpoint")
-    group.export_hf(out / "hf")
+    _readable(group.export_hf(out / "hf"))
     values = group.get_values(_batch(heldout))
     group.shutdown()
     fresh = ValueWorkerGroup(config.replace(seed=args.seed + 1), **group_kw)

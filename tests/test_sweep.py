@@ -40,7 +40,7 @@ def test_add_is_ok_everywhere(rows: dict[tuple[str, str], dict[str, Any]]) -> No
 
 @pytest.mark.parametrize("op", ["argmax", "logsumexp"])
 def test_reductions_match_release(rows: dict[tuple[str, str], dict[str, Any]], op: str) -> None:
-    """argmax/logsumexp have no sharding strategy on torch 2.9 (shared/design.md §1) only."""
+    """argmax/logsumexp have no sharding strategy on torch 2.9 (docs/design.md §1) only."""
     if TORCH_2_9:
         for placement in sweep.PLACEMENTS:
             row = rows[(op, placement)]

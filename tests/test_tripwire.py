@@ -6,7 +6,14 @@ import pytest
 
 from dtensor_patches import get
 from dtensor_patches.testing import RankPool
-from dtensor_patches.tripwire import TripwireResult, Verdict, _on_rank, judge, run_tripwires
+from dtensor_patches.tripwire import (
+    TripwireResult,
+    Verdict,
+    WithPatch,
+    _on_rank,
+    judge,
+    run_tripwires,
+)
 
 BUG = "NotImplementedError: no strategy"
 
@@ -36,8 +43,10 @@ def test_judge(in_gate: bool, bug: str | None, after_patch: str | None, verdict:
 
 def _run(pool: RankPool, gate: str) -> TripwireResult:
     rows = pool.run(_on_rank, ["alias"], {"alias": gate})
-    assert rows[0] == rows[1]  # every rank reaches the same verdict
-    return TripwireResult(**{**rows[0][0], "verdict": Verdict(rows[0][0]["verdict"])})
+    # every rank reaches the same verdict (its own time and warnings aside)
+    same = [{k: v for k, v in rank[0].items() if k not in ("seconds", "warnings")} for rank in rows]
+    assert same[0] == same[1]
+    return TripwireResult.from_dict(rows[0][0])
 
 
 def test_registered_gate_passes() -> None:
@@ -45,6 +54,12 @@ def test_registered_gate_passes() -> None:
     assert result.passed, result.message
     assert result.in_gate is get("alias").applies_to()
     assert (result.bug is not None) is result.in_gate
+    # "fixed" and "not run" are told apart, in the result and in its JSON form
+    assert result.with_patch is (WithPatch.FIXED if result.in_gate else WithPatch.NOT_RUN)
+    data = result.to_dict()
+    assert data["with_patch"] == result.with_patch.value
+    assert data["stock"] == ("bug" if result.in_gate else "correct")
+    assert TripwireResult.from_dict(data) == result
 
 
 def test_widened_gate_trips_on_a_fixed_release(pool2: RankPool) -> None:
@@ -61,6 +76,7 @@ def test_narrowed_gate_trips_on_a_broken_release(pool2: RankPool) -> None:
     result = _run(pool2, "<2.9")
     assert result.verdict is Verdict.GATE_TOO_NARROW
     assert "aten.alias.default" in (result.bug or "")
+    assert result.with_patch is WithPatch.NOT_RUN
 
 
 def test_bad_arguments() -> None:
