@@ -39,6 +39,7 @@ __all__ = [
     "DivertedCall",
     "MissRule",
     "NativeDecision",
+    "any_op_key",
     "check_call_time_internals",
     "clear_sharding_caches",
     "custom_op_handlers",
@@ -554,8 +555,16 @@ _HOOK_LOCK = threading.Lock()
 _HOOK_ORIGINALS: dict[str, Any] = {}
 
 
+def any_op_key(rule: MissRule) -> tuple[str, str]:
+    """The table key of a rule for every op: ``(ANY_OP, "module.qualname")``, so that several
+    patches can each hold one."""
+    return (ANY_OP, f"{rule.__module__}.{rule.__qualname__}")
+
+
 def _decide(op: Any, schema: Any, native: NativeDecision) -> DivertedCall | None:
-    for rule in (_MISS_RULES.get(op), _MISS_RULES.get(ANY_OP)):
+    rules = [_MISS_RULES.get(op)]
+    rules += [rule for key, rule in _MISS_RULES.items() if isinstance(key, tuple)]
+    for rule in rules:
         if rule is not None:
             run = rule(schema, native)
             if run is not None:
@@ -707,8 +716,8 @@ def miss_hook_installed() -> bool:
 
 
 def register_miss_rule(op: Any, rule: MissRule) -> None:
-    """Consult ``rule(op_schema, native)`` for ``op`` (an ``OpOverload``, or :data:`ANY_OP`)
-    on every propagation cache miss.
+    """Consult ``rule(op_schema, native)`` for ``op`` (an ``OpOverload``, or the key
+    :func:`any_op_key` gives a rule for every op) on every propagation cache miss.
 
     Installs the miss hook on first use.
 

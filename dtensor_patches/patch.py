@@ -69,13 +69,16 @@ class MissRule:
     op: str  # "namespace.op.overload", or compat.ANY_OP for a rule that sees every op
     fn: Callable[[Any, Any], Any]
 
+    def key(self) -> Any:
+        """The miss-rule table key: the op, or ``compat.any_op_key(fn)`` for every op."""
+        return compat.any_op_key(self.fn) if self.op == compat.ANY_OP else _key(self.op)
+
     def install(self) -> None:
-        compat.register_miss_rule(_key(self.op), self.fn)
+        compat.register_miss_rule(self.key(), self.fn)
 
 
 def _key(name: str) -> Any:
-    """The registry key of an op name; :data:`compat.ANY_OP` stands for itself."""
-    return compat.ANY_OP if name == compat.ANY_OP else compat.resolve_op(name)
+    return compat.resolve_op(name)
 
 
 Registration = Strategy | Handler | MissRule
@@ -203,9 +206,12 @@ class Patch:
                 wanted = [r for r in registrations if r.op not in keep_native] + derived
                 changed: list[Any] = []
                 for registration in wanted:
-                    changed += compat.install_owned(
-                        self, [_key(registration.op)], registration.install
+                    key = (
+                        registration.key()
+                        if isinstance(registration, MissRule)
+                        else _key(registration.op)
                     )
+                    changed += compat.install_owned(self, [key], registration.install)
                 compat.clear_sharding_caches()
                 compat.mark_applied(self, changed)
             except BaseException as exc:

@@ -110,6 +110,8 @@ def _view_case(
     from dtensor_patches.errors import LostWriteError
 
     fn = _VIEW_OPS[op_name]
+    if not dtensor_patches.get("view_writes").applies_to():
+        return {"gated_out": True}
     mesh = init_device_mesh("cpu", mesh_shape)
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(shape, generator=g)
@@ -118,7 +120,7 @@ def _view_case(
     other = torch.randn(expected_view.shape, generator=g)
     fn(expected_view, other)
     placement_objs = [parse_placement(p) for p in placements]
-    with dtensor_patches.patched(only=["inplace_writes"]):
+    with dtensor_patches.patched(only=["inplace_writes", "view_writes"]):
         w = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, placement_objs))
         other_d = distribute_tensor(other, mesh, [parse_placement("R")] * len(mesh_shape))
         refused = False
@@ -183,6 +185,8 @@ def _check_view(pool: RankPool, mesh_shape: tuple[int, ...], ex: dict[str, Any])
         _view_case, ex["op"], ex["shape"], ex["placements"], mesh_shape, ex["view"], ex["seed"]
     )
     for rank, r in enumerate(results):
+        if r.get("gated_out"):
+            pytest.skip("view_writes is gated out on this torch (2.10/2.11)")
         # Every view op is replayed on the gathered source: no write is refused or lost.
         assert not r["refused"], f"rank {rank}: refused a write through a view: {ex}"
         assert r["values"], f"rank {rank}: write through the view lost or wrong: {ex}"

@@ -42,6 +42,7 @@ from dtensor_patches.patches import (
     unbind,
     unfold,
     var_mean,
+    view_writes,
 )
 
 BUILTIN_PATCHES: tuple[Patch, ...] = (
@@ -62,6 +63,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     pointwise_gaps.PATCH,
     isin_searchsorted.PATCH,
     inplace_writes.PATCH,
+    view_writes.PATCH,
     index_put.PATCH,
     index_writes.PATCH,
     index_functional.PATCH,

@@ -10,18 +10,13 @@ Three kinds of in-place write are wrong or refused by stock DTensor (measured on
    placement changes are not supported"). ``p.fill_(3)`` on a ``Partial(sum)`` target gives
    ``world * 3`` on every release. ``Partial(max)``/``Partial(min)`` targets: ``neg_`` or
    ``mul_(-1)`` are not linear for a max/min reduction.
-2. **Writes through a view that DTensor had to redistribute.** ``torch.nn.init.zeros_(w[:2])``
-   with ``w`` a ``Shard(0)`` parameter: slicing a sharded dim makes DTensor gather a temporary
-   first, the view's local tensor points into that temporary, and the write never reaches
-   ``w`` (every release). ``w[:2] = 0``, ``w.t()[:, 1:3].zero_()`` likewise, for every view
-   op that redistributes (``slice``, ``select``, ``view``, ``unbind``, ``split``...).
-3. ``aten.fill_.Tensor`` (``x[:, 0] = 1.0``, ``x.fill_(t)``) has no sharding strategy on any
+2. ``aten.fill_.Tensor`` (``x[:, 0] = 1.0``, ``x.fill_(t)``) has no sharding strategy on any
    release (2.15 routes ``x[:, 0] = 1.0`` differently, but ``x.fill_(t)`` still fails).
 
 Where it acts, and what that costs: one miss rule for every op (``compat.ANY_OP``), consulted
 only when a call meets sharding propagation without a cached decision. Calls whose schema shows
 none of the conditions below keep torch's decision, which is cached as usual: the common case
-(an ordinary ``add_``, ``copy_`` or slice) stays on torch's fast path and pays nothing per call.
+(an ordinary ``add_``, ``copy_`` or ``mul_``) stays on torch's fast path and pays nothing per call.
 
 - *In-place op whose target is ``Partial``* (seen in the schema: the target spec's
   placements). Ops linear in the target where torch is right (``mul_``/``div_`` by a number,
@@ -35,15 +30,6 @@ none of the conditions below keep torch's decision, which is cached as usual: th
   doubled. Ops that overwrite every element (``fill_``, ``copy_``, ``zero_``, random fills)
   need no reduction at all. A failed op leaves the target untouched (the write is the last
   step).
-- *View op whose input must be redistributed* (seen in torch's own decision:
-  ``needs_redistribute`` on the input). The view is made from the redistributed input and
-  returned as a ``TrackedView``, a ``DTensor`` subclass that records how it was made.
-  Only such views take a Python path: their ops dispatch through
-  ``TrackedView.__torch_dispatch__``, which unwraps them and, for an op that writes into one,
-  computes the write on a scratch copy, replays the recorded view op on the gathered source
-  to find the region, and writes the source's new shards back into the source's own local
-  tensor (which aliases the real base). Chains of such views are followed to the first
-  untracked source. Nothing is written until every step has succeeded.
 - *In-place op torch refuses as a placement change* (``x.add_(r)`` with ``x`` sharded on a dim
   shorter than the mesh, 2.12+): computed out of place and written into the target in its own
   placements.
@@ -56,23 +42,20 @@ carries writes through redistributed views.
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dtensor_patches import compat
 from dtensor_patches._repro import Case, randn, run_cases
-from dtensor_patches.errors import LostWriteError
-from dtensor_patches.handlers import partial_shares, shard_of
+from dtensor_patches.handlers import partial_shares
 from dtensor_patches.patch import MissRule, Patch, Registration, Strategy
 from dtensor_patches.strategies import elementwise_strategy, uniform_strategy
 
-__all__ = ["PATCH", "tracked_view_class"]
+__all__ = ["PATCH"]
 
 
 class _Kind(enum.Enum):
@@ -122,6 +105,8 @@ _STRATEGIES_IF_MISSING: dict[str, Callable[[Any], Any]] = {
     "aten.clamp_max_.default": _follow_self,
 }
 
+# Writes through views that DTensor had to redistribute: the ``view_writes`` patch.
+
 
 def _dtensor_class() -> Any:
     from torch.distributed.tensor import DTensor
@@ -132,7 +117,6 @@ def _dtensor_class() -> Any:
 # --- what an op is (decided once per op, from its schema) -------------------------------
 
 _WRITES_SELF: dict[Any, bool] = {}
-_IS_VIEW: dict[Any, bool] = {}
 
 
 def _writes_self(op: Any) -> bool:
@@ -149,35 +133,6 @@ def _writes_self(op: Any) -> bool:
         )
         _WRITES_SELF[op] = known
     return known
-
-
-def _is_view_op(op: Any) -> bool:
-    """A view op: its outputs alias its first argument without writing it."""
-    known = _IS_VIEW.get(op)
-    if known is None:
-        schema = op._schema
-        first = schema.arguments[0].alias_info if schema.arguments else None
-        outs = [r.alias_info for r in schema.returns]
-        known = bool(
-            first is not None
-            and not first.is_write
-            and outs
-            and all(
-                a is not None and not a.is_write and set(a.before_set) & set(first.before_set)
-                for a in outs
-            )
-        )
-        _IS_VIEW[op] = known
-    return known
-
-
-def _written_positions(op: Any) -> list[int]:
-    """Schema positions of the arguments ``op`` writes (``self`` of in-place ops, ``out``)."""
-    return [
-        i
-        for i, a in enumerate(op._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
 
 
 # --- the miss rule ------------------------------------------------------------------------
@@ -228,17 +183,6 @@ def _rule(schema: Any, native: compat.NativeDecision) -> compat.DivertedCall | N
         if error is not None and _PLACEMENT_CHANGE_REFUSAL in str(error) and _has_twin(op):
             return _through_out_of_place
         return None
-    if _is_view_op(op) and args and _is_spec(args[0]):
-        sharding = native.sharding()
-        if sharding is None or not sharding.needs_redistribute:
-            return None
-        moved = sharding.redistribute_schema
-        if moved is None or not _is_spec(moved.args_schema[0]):
-            return None
-        wanted = tuple(moved.args_schema[0].placements)
-        if wanted == tuple(args[0].placements):
-            return None
-        return _tracked_view_maker(wanted)
     return None
 
 
@@ -287,7 +231,8 @@ def _write_partial_target(op_call: Any, args: Any, kwargs: Any) -> Any:
                 stride=target.stride(),
             )
         else:
-            scratch = target.detach().redistribute(mesh, _settled(placements))
+            plain = compat.make_dtensor(compat.local_tensor(target), target._spec)
+            scratch = plain.redistribute(mesh, _settled(placements))
         op_call(scratch, *args[1:], **kwargs)
         new_local = partial_shares(compat.local_tensor(scratch), mesh, written)
         compat.local_tensor(target).copy_(new_local)
@@ -350,189 +295,6 @@ def _through_out_of_place(op_call: Any, args: Any, kwargs: Any) -> Any:
     return target
 
 
-# --- views that DTensor had to redistribute -------------------------------------------------
-
-
-@functools.cache
-def tracked_view_class() -> type:
-    """The ``TrackedView`` class (a ``DTensor`` subclass, built on first use so that importing
-    this module does not import ``torch.distributed.tensor``)."""
-
-    class TrackedView(_dtensor_class()):  # type: ignore[misc]
-        """A DTensor view whose local tensor lives in a temporary (its input was
-        redistributed).
-
-        Made by the ``inplace_writes`` patch for view ops that redistribute their input
-        (``w[:2]`` of a ``Shard(0)`` ``w``, ``hidden[:, -1]`` of a sequence-sharded tensor...).
-        It behaves like any DTensor; an op that writes into it is carried into the tensor the
-        view was made from, as on a single device. Ops on it run through this class's
-        ``__torch_dispatch__`` (Python), so only such views pay for the tracking.
-        """
-
-        _dtensor_patches_view_of: tuple[Any, Any, tuple[Any, ...], dict[str, Any], int | None]
-
-        @classmethod
-        def __torch_dispatch__(
-            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            return _dispatch_tracked(func, args, kwargs or {})
-
-    return TrackedView
-
-
-def _is_tracked(value: Any) -> bool:
-    return isinstance(value, tracked_view_class())
-
-
-def _dispatch_tracked(func: Any, args: Any, kwargs: Any) -> Any:
-    flat, spec = tree_flatten((args, kwargs))
-    plain = [_as_plain(a) if _is_tracked(a) else a for a in flat]
-    plain_args, plain_kwargs = tree_unflatten(plain, spec)
-    written = _written_views(func, args, kwargs)
-    if written:
-        return _write_through(func, args, kwargs, plain_args, plain_kwargs, written)
-    out = func(*plain_args, **plain_kwargs)
-    if _is_view_op(func) and args and _is_tracked(args[0]):
-        return _track(out, args[0], func, tuple(args[1:]), dict(kwargs))
-    return out
-
-
-def _as_plain(view: Any) -> Any:
-    """A plain DTensor over the same local tensor and spec."""
-    return compat.make_dtensor(compat.local_tensor(view), view._spec)
-
-
-def _track(out: Any, source: Any, op_call: Any, rest: tuple[Any, ...], kwargs: Any) -> Any:
-    """``out`` (a DTensor view, or a list/tuple of them) as TrackedViews of ``source``."""
-    dtensor = _dtensor_class()
-
-    def one(value: Any, index: int | None) -> Any:
-        if not isinstance(value, dtensor):
-            return value
-        tracked = compat.make_dtensor(
-            compat.local_tensor(value), value._spec, cls=tracked_view_class()
-        )
-        tracked._dtensor_patches_view_of = (source, op_call, rest, kwargs, index)
-        return tracked
-
-    if isinstance(out, (list, tuple)):
-        return type(out)(one(v, i) for i, v in enumerate(out))
-    return one(out, None)
-
-
-def _tracked_view_maker(wanted: tuple[Any, ...]) -> compat.DivertedCall:
-    def run(op_call: Any, args: Any, kwargs: Any) -> Any:
-        source = args[0]
-        with torch.no_grad():
-            moved = source.detach().redistribute(source.device_mesh, wanted)
-            out = op_call(moved, *args[1:], **kwargs)
-        return _track(out, source, op_call, tuple(args[1:]), dict(kwargs))
-
-    return run
-
-
-def _written_views(func: Any, args: Any, kwargs: Any) -> list[tuple[str, int | None, Any]]:
-    """The TrackedViews ``func`` writes into: ``(where, index, view)``, ``where`` is
-    ``"arg"``/``"kwarg:name"``."""
-    found: list[tuple[str, int | None, Any]] = []
-    for i in _written_positions(func):
-        argument = func._schema.arguments[i]
-        if i < len(args):
-            value, where, index = args[i], "arg", i
-        elif argument.name in kwargs:
-            value, where, index = kwargs[argument.name], f"kwarg:{argument.name}", None
-        else:
-            continue
-        values = value if isinstance(value, (list, tuple)) else [value]
-        for v in values:
-            if _is_tracked(v):
-                found.append((where, index, v))
-    return found
-
-
-def _gathered(value: Any) -> torch.Tensor:
-    plain = _as_plain(value) if _is_tracked(value) else value
-    return plain.detach().full_tensor()
-
-
-def _region(record: Any, full_source: torch.Tensor) -> torch.Tensor:
-    """The recorded view op replayed on the plain full source: the view's place in it.
-
-    Raises:
-        LostWriteError: the replay is not a view into ``full_source``.
-    """
-    _, op_call, rest, kwargs, index = record
-    try:
-        region = op_call(full_source, *rest, **kwargs)
-    except RuntimeError as exc:
-        raise LostWriteError(
-            f"in-place write into a view made by {op_call} from a redistributed DTensor: "
-            f"replaying the view on the full tensor failed ({exc}), so its place in the base "
-            "cannot be found. Write into the base directly."
-        ) from exc
-    if index is not None:
-        region = region[index]
-    if not compat.shares_storage(region, full_source):
-        raise LostWriteError(
-            f"in-place write into a view made by {op_call} from a redistributed DTensor: on a "
-            "plain tensor that op does not return a view, so the write has no place in the "
-            "base. Write into the base directly."
-        )
-    return region
-
-
-def _write_through(
-    func: Any,
-    args: Any,
-    kwargs: Any,
-    plain_args: Any,
-    plain_kwargs: Any,
-    written: list[tuple[str, int | None, Any]],
-) -> Any:
-    """Run ``func`` on scratch copies of the written views, carry each new value up the chain
-    of sources, then write every local tensor at once (nothing changes if a step fails)."""
-    scratch: dict[int, Any] = {}
-    for where, index, view in written:
-        copy = compat.make_dtensor(compat.local_tensor(view).clone(), view._spec)
-        scratch[id(view)] = copy
-        if where == "arg" and index is not None:
-            plain_args = (*plain_args[:index], copy, *plain_args[index + 1 :])
-        else:
-            name = where.split(":", 1)[1]
-            plain_kwargs = {**plain_kwargs, name: copy}
-    with torch.no_grad():
-        out = func(*plain_args, **plain_kwargs)
-        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for _, _, view in written:
-            new = scratch[id(view)]
-            writes.append((compat.local_tensor(view), compat.local_tensor(new)))
-            node, new_full = view, new.full_tensor()
-            while _is_tracked(node):
-                record = node._dtensor_patches_view_of
-                source = record[0]
-                full_source = _gathered(source)
-                _region(record, full_source).copy_(new_full)
-                writes.append(
-                    (
-                        compat.local_tensor(source),
-                        shard_of(full_source, source.device_mesh, source.placements),
-                    )
-                )
-                node, new_full = source, full_source
-        for destination, value in writes:
-            destination.copy_(value)
-    if _writes_self(func):
-        return args[0]
-    by_id = {id(s): view for _, _, view in written for s in [scratch[id(view)]]}
-
-    def back(value: Any) -> Any:
-        return by_id.get(id(value), value)
-
-    if isinstance(out, (list, tuple)):
-        return type(out)(back(v) for v in out)
-    return back(out)
-
-
 def _registrations() -> list[Registration]:
     registrations: list[Registration] = []
     for name, strategy in _STRATEGIES_IF_MISSING.items():
@@ -578,16 +340,6 @@ def _negate_max(x: torch.Tensor) -> torch.Tensor:
     return x.amax(0).mul_(-1.0)
 
 
-def _zeros_through_view(x: torch.Tensor) -> torch.Tensor:
-    torch.nn.init.zeros_(x[1:3])
-    return x
-
-
-def _setitem_slice(x: torch.Tensor) -> torch.Tensor:
-    x[:2] = 0.5
-    return x
-
-
 def _first_column(x: torch.Tensor) -> torch.Tensor:
     x[:, 0] = 1.0
     return x
@@ -604,25 +356,21 @@ CASES = [
     Case("p = x.sum(0); p[0:1] = 5", _set_element_of_sum, lambda: [randn(5, 6)], ["S0"]),
     Case("p = x.sum(0); p[:2].add_(1)", _add_through_view_of_sum, lambda: [randn(5, 6)], ["S0"]),
     Case("x.amax(0).mul_(-1)", _negate_max, lambda: [randn(5, 6)], ["S0"]),
-    Case(
-        "nn.init.zeros_(x[1:3])", _zeros_through_view, lambda: [randn(5, 6)], ["S0"], inplace=True
-    ),
-    Case("x[:2] = 0.5", _setitem_slice, lambda: [randn(5, 6)], ["S0"], inplace=True),
     Case("x[:, 0] = 1.0", _first_column, lambda: [randn(5, 6)], ["S0"], inplace=True),
     Case("x.fill_(tensor)", _fill_with_tensor, lambda: [randn(5, 6)], ["S1"], inplace=True),
 ]
 
 
 def reproduce(mesh: object) -> str | None:
-    """Partial targets (views of them too), writes through redistributed views, ``fill_.Tensor``."""
+    """Partial targets (views of them too), ``fill_.Tensor``."""
     return run_cases(mesh, CASES)
 
 
 PATCH = Patch(
     name="inplace_writes",
     summary=(
-        "in-place ops on Partial targets (and views of them) write valid shares; writes "
-        "through redistributed views reach the base; fill_.Tensor strategy (torch 2.9 to 2.15)"
+        "in-place ops on Partial targets (and views of them) write valid shares; in-place "
+        "calls refused as a placement change run out of place; fill_.Tensor strategy"
     ),
     ops=(*_KINDS, *_STRATEGIES_IF_MISSING),
     gate=SpecifierSet(">=2.9"),
