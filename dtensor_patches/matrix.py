@@ -97,6 +97,15 @@ def _cell(row: dict[str, Any] | None) -> str:
     return f"{stock} → {patched}"
 
 
+def _known_gap(name: str, release: str) -> bool:
+    from dtensor_patches import registry
+
+    try:
+        return registry.get(name).is_known_gap(release)
+    except KeyError:
+        return False
+
+
 def _problems(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     """One line per cell the tripwire judges not ok: still wrong with patches, a stale gate
     (stock correct inside it) or a gate too narrow (stock wrong outside it)."""
@@ -111,6 +120,7 @@ def _problems(results: dict[str, list[dict[str, Any]]]) -> list[str]:
                 in_gate=row["in_gate"],
                 bug=row["stock"],
                 after_patch=row["patched"],
+                known_gap=_known_gap(row["patch"], release),
             )
             if verdict is not Verdict.OK:
                 problems.append(f"- `{row['patch']}` on {release}: {message}")

@@ -118,6 +118,9 @@ class Patch:
             :func:`dtensor_patches.compat.out_variant`) where torch has none, or where the patch
             overrides torch's. DTensor runs an ``out=`` call like the functional one and gives
             the ``out`` DTensor the output placements.
+        known_unfixable: releases outside the gate that still have the bug, where this patch
+            cannot work (a torch mechanism it relies on is missing there). The tripwire accepts
+            the bug there and reports it as a known gap; the README lists it.
     """
 
     name: str
@@ -131,6 +134,7 @@ class Patch:
     replicates: bool = False
     overrides_existing: bool = False
     out_variants: bool = True
+    known_unfixable: SpecifierSet | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -150,6 +154,17 @@ class Patch:
         else:
             release = Version(Version(str(version)).base_version)
         return self.gate.contains(release, prereleases=True)
+
+    def is_known_gap(self, version: Version | str | None = None) -> bool:
+        """Whether ``version`` (default: the running torch) is a declared known gap."""
+        if self.known_unfixable is None:
+            return False
+        release = (
+            compat.torch_release()
+            if version is None
+            else Version(Version(str(version)).base_version)
+        )
+        return self.known_unfixable.contains(release, prereleases=True)
 
     def with_gate(self, gate: SpecifierSet | str) -> Patch:
         """A copy of this patch with another gate (unapplied). Used to test the tripwires."""

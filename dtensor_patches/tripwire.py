@@ -122,9 +122,29 @@ class TripwireResult:
 
 
 def judge(
-    *, patch: str, torch_version: str, in_gate: bool, bug: str | None, after_patch: str | None
+    *,
+    patch: str,
+    torch_version: str,
+    in_gate: bool,
+    bug: str | None,
+    after_patch: str | None,
+    known_gap: bool = False,
 ) -> tuple[Verdict, str]:
-    """The verdict and its message, from what the reproducer saw with and without the patch."""
+    """The verdict and its message, from what the reproducer saw with and without the patch.
+
+    ``known_gap``: the release is one the patch declares it cannot fix
+    (``Patch.known_unfixable``): the bug is expected there, outside the gate; its absence
+    means upstream fixed it and the declaration is stale.
+    """
+    if known_gap and not in_gate:
+        if bug is None:
+            return Verdict.STALE, (
+                f"{patch}: torch {torch_version} is listed as a known gap but gives the "
+                "single-device result: drop it from known_unfixable"
+            )
+        return Verdict.OK, (
+            f"{patch}: known gap on torch {torch_version} (the patch cannot work there): {bug}"
+        )
     if in_gate and bug is None:
         return Verdict.STALE, (
             f"{patch}: upstream fixed it in torch {torch_version} (the reproducer gives the "
@@ -230,7 +250,12 @@ def _one_patch(name: str, gates: Mapping[str, str]) -> dict[str, Any]:
         finally:
             patch.revert()
     verdict, message = judge(
-        patch=name, torch_version=version, in_gate=in_gate, bug=bug, after_patch=after_patch
+        patch=name,
+        torch_version=version,
+        in_gate=in_gate,
+        bug=bug,
+        after_patch=after_patch,
+        known_gap=patch.is_known_gap(),
     )
     return {
         "patch": name,

@@ -84,3 +84,13 @@ def test_bad_arguments() -> None:
         run_tripwires(["alias"], world_size=1)
     with pytest.raises(KeyError, match="nope"):
         run_tripwires(["nope"])
+
+
+@pytest.mark.parametrize(("bug", "verdict"), [("wrong values", Verdict.OK), (None, Verdict.STALE)])
+def test_judge_known_gap(bug: str | None, verdict: Verdict) -> None:
+    # Outside the gate on a release the patch declares it cannot fix: the bug is expected
+    # there; its absence means upstream fixed it and the declaration is stale.
+    got, message = judge(
+        patch="p", torch_version="2.10.0", in_gate=False, bug=bug, after_patch=None, known_gap=True
+    )
+    assert got is verdict, message

@@ -355,6 +355,7 @@ PATCH = Patch(
     summary="writes through views that DTensor redistributed reach the tensor they came from",
     ops=("aten.slice.Tensor", "aten.select.int"),
     gate=SpecifierSet(">=2.9,!=2.10.*,!=2.11.*"),
+    known_unfixable=SpecifierSet(">=2.10,<2.12"),
     registrations=_registrations,
     reproduce=reproduce,
     replicates=True,
