@@ -241,10 +241,14 @@ def _trigger(patch: str, call: Call) -> bool | None:
         # Partial + a Python number: the number was added on every rank.
         if not call.partial_inputs:
             return False
-        return True if len(call.inputs) == 1 else None
+        return True if call.inputs == ("P(sum)",) else None
     if patch == "partial_int_cast":
         return None if call.partial_inputs else False  # the dtype is not recorded
-    if patch in ("mean_uneven", "mse_loss", "nll_loss"):
+    if patch == "mean_uneven":
+        return call.uneven  # even shards average correctly (measured)
+    if patch in ("mse_loss", "nll_loss"):
+        # Uneven shards are the measured case; even ones are wrong with a global-count
+        # backward (mse) or ignore_index/weights (nll), which placements do not show.
         return True if call.uneven else (None if call.sharded_inputs else False)
     if patch in ("getitem", "index_put"):
         return (

@@ -34,7 +34,9 @@ def test_data_file_matches_running_torch() -> None:
     facts = _running_release_facts()
     live = matrix.registry_facts()
     for kind in ("strategies", "single_dim", "handlers", "decomposes"):
-        assert facts[kind] == live[kind], f"{kind}: regenerate with python -m dtensor_patches.matrix"
+        assert facts[kind] == live[kind], (
+            f"{kind}: regenerate with python -m dtensor_patches.matrix"
+        )
     assert not set(facts["absent"]) & set(live["aten_ops"])
     assert facts["torch"].split("+")[0] == live["torch"].split("+")[0]
     assert list(facts["patches"]) == [p.name for p in registry.all_patches()]
