@@ -25,6 +25,7 @@ from dtensor_patches.registry import (
     revert_all,
 )
 from dtensor_patches.report import Outcome, Report, Status
+from dtensor_patches.scan import scan
 
 __version__ = "0.1.0"
 
@@ -45,4 +46,5 @@ __all__ = [
     "patched",
     "plan",
     "revert_all",
+    "scan",
 ]
