@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         revert_all,
     )
     from dtensor_patches.report import Outcome, Report, Status
+    from dtensor_patches.scan import scan
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ _LAZY = {
     "Outcome": "dtensor_patches.report",
     "Report": "dtensor_patches.report",
     "Status": "dtensor_patches.report",
+    "scan": "dtensor_patches.scan",
 }
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "patched",
     "plan",
     "revert_all",
+    "scan",
 ]
 
 

@@ -40,11 +40,14 @@ __all__ = [
     "MissRule",
     "NativeDecision",
     "any_op_key",
+    "all_aten_ops",
     "check_call_time_internals",
     "clear_sharding_caches",
     "custom_op_handlers",
+    "dispatch_mode_class",
     "dtensor_types",
     "entry_in_effect",
+    "has_decomposition",
     "has_native_handler",
     "has_native_strategy",
     "has_single_dim_strategy",
@@ -57,6 +60,7 @@ __all__ = [
     "make_dtensor",
     "mark_applied",
     "miss_hook_installed",
+    "native_registry",
     "op_arguments",
     "out_variant",
     "owned_entries",
@@ -913,3 +917,90 @@ def op_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict
         else:
             raise TypeError(f"{op}: missing argument {argument.name!r}")
     return bound
+
+
+# --- Stock registry facts and call recording (scan) --------------------------------------
+
+
+def _op_name(op: Any) -> str:
+    """``"aten.alias.default"`` for an ``OpOverload`` (the form patches list ops in)."""
+    return str(op)
+
+
+def native_registry() -> dict[str, list[str]]:
+    """What stock torch registers for DTensor, as sorted op names per kind:
+
+    - ``strategies``: ``op_strategy_funcs`` and ``op_to_rules``;
+    - ``single_dim``: ``op_single_dim_strategy_funcs`` (2.11+; empty before);
+    - ``handlers``: ``OpDispatcher._custom_op_handlers``.
+
+    Entries that patches installed are left out and entries they replaced are counted, so the
+    answer is torch's own registry whether or not patches are applied.
+
+    Raises:
+        PatchError: a registry table moved.
+    """
+    tables = _tables()
+    kinds = {
+        "strategies": ("propagator.op_strategy_funcs", "propagator.op_to_rules"),
+        "single_dim": ("propagator.op_single_dim_strategy_funcs",),
+        "handlers": ("dispatcher._custom_op_handlers",),
+    }
+    out: dict[str, list[str]] = {}
+    for kind, names in kinds.items():
+        ops: set[str] = set()
+        for name in names:
+            for op in tables.get(name, {}):
+                if (name, op) in _ORIGINALS and _ORIGINALS[(name, op)] is _MISSING:
+                    continue  # installed by a patch, not torch's
+                ops.add(_op_name(op))
+        out[kind] = sorted(ops)
+    return out
+
+
+def all_aten_ops() -> list[str]:
+    """Every ``aten`` operator overload this torch registers, as ``"aten.op.overload"``
+    (``torch._C._dispatch_get_all_op_names``; an overload-less name is ``.default``)."""
+    names = _attr(torch._C, "_dispatch_get_all_op_names", "torch._C._dispatch_get_all_op_names")()
+    out = []
+    for name in names:
+        namespace, _, rest = name.partition("::")
+        if namespace != "aten":
+            continue
+        packet, _, overload = rest.partition(".")
+        out.append(f"aten.{packet}.{overload or 'default'}")
+    return sorted(out)
+
+
+def has_decomposition(op_name: str) -> bool:
+    """Whether ``op_name`` (``"aten.op.overload"``) has a CompositeImplicitAutograd kernel:
+    DTensor decomposes such an op instead of asking for a strategy when it has none."""
+    namespace, packet, overload = op_name.split(".")
+    qualified = f"{namespace}::{packet}" + ("" if overload == "default" else f".{overload}")
+    has_kernel = _attr(
+        torch._C,
+        "_dispatch_has_kernel_for_dispatch_key",
+        "torch._C._dispatch_has_kernel_for_dispatch_key",
+    )
+    return bool(has_kernel(qualified, torch._C.DispatchKey.CompositeImplicitAutograd))
+
+
+def dispatch_mode_class() -> Any:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: a mode sees every op call at the
+    Python dispatch key, before DTensor's own dispatch (the C++ fast path on 2.10+ included).
+
+    Raises:
+        PatchError: the class moved.
+    """
+    try:
+        from torch.utils import _python_dispatch
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.utils._python_dispatch",
+            internal="torch.utils._python_dispatch",
+        ) from exc
+    return _attr(
+        _python_dispatch,
+        "TorchDispatchMode",
+        "torch.utils._python_dispatch.TorchDispatchMode",
+    )

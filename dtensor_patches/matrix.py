@@ -9,6 +9,17 @@ reproducer on stock torch, then again after ``apply_all()``), and writes the tab
         --releases 2.9.1 2.10.0 2.11.0 2.12.0 2.13.0 2.14.1 2.15.0
 
 Every cell with patches applied must say ``ok``.
+
+The same run writes the release facts that :func:`dtensor_patches.scan.scan` predicts from
+(``dtensor_patches/data/releases.json``, shipped in the wheel): each release's own DTensor
+registry (ops with strategies, single-dim strategies, custom handlers, ops torch decomposes),
+the ops each patch installs entries for there, and each patch's stock result from the matrix.
+Only the registry facts are collected again with ``--scan-data`` (seconds per release); the
+stock results are reused from ``docs/compat-matrix.json`` where it is current for a release
+(same patches, ops and gates), and the reproducers are run again where it is not::
+
+    python -m dtensor_patches.matrix --scan-data --no-install \
+        --venv 2.9.1=~/.cache/dtensor-patches-ci/venv-torch-2.9.1 ...
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ log = logging.getLogger("dtensor_patches.matrix")
 
 DEFAULT_RELEASES = ("2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.1", "2.15.0")
 REPO = Path(__file__).resolve().parents[1]
+SCAN_DATA = Path(__file__).resolve().parent / "data" / "releases.json"
+SCAN_DATA_FORMAT = 1
 
 
 def _collect_on_rank() -> list[dict[str, Any]]:
@@ -62,6 +75,104 @@ def collect(world_size: int = 2) -> list[dict[str, Any]]:
 
     with RankPool(world_size, env={"DTENSOR_PATCHES_DISABLE": ""}) as pool:
         return pool.run(_collect_on_rank)[0]
+
+
+def registry_facts() -> dict[str, Any]:
+    """This interpreter's registry facts for the scan data file (no ranks, no reproducers).
+
+    ``strategies``/``single_dim``/``handlers``: torch's own entries
+    (:func:`dtensor_patches.compat.native_registry`); ``decomposes``: ops with a
+    CompositeImplicitAutograd kernel and none of those (DTensor decomposes them);
+    ``aten_ops``: every aten overload; ``installs``: per patch in its gate, the ops
+    ``apply_all()`` installs entries for here (``"*"`` for a miss rule on every op).
+    """
+    from dtensor_patches import compat, patched, registry
+
+    native = compat.native_registry()
+    covered = {op for ops in native.values() for op in ops}
+    aten_ops = compat.all_aten_ops()
+    facts: dict[str, Any] = {
+        "torch": str(compat.torch_version()),
+        **native,
+        "decomposes": [op for op in aten_ops if op not in covered and compat.has_decomposition(op)],
+        "aten_ops": aten_ops,
+        "installs": {},
+    }
+    with patched():
+        for patch in registry.all_patches():
+            if patch.is_applied:
+                ops = {str(op) for _, op in compat.owned_entries(patch)}
+                facts["installs"][patch.name] = sorted(ops)
+    return facts
+
+
+def _rows_current(rows: list[dict[str, Any]] | None, release: str) -> bool:
+    """Whether matrix rows measured earlier still describe this checkout's patches on
+    ``release``: one row per registered patch, same ops and gate, measured on that release."""
+    from packaging.version import Version
+
+    from dtensor_patches import registry
+
+    if not rows:
+        return False
+    by_name = {row["patch"]: row for row in rows}
+    for patch in registry.all_patches():
+        row = by_name.get(patch.name)
+        if row is None or row["ops"] != list(patch.ops) or row["gate"] != str(patch.gate):
+            return False
+        if Version(Version(row["torch"]).base_version) != Version(release):
+            return False
+    return len(by_name) == len(registry.all_patches())
+
+
+def scan_data(results: dict[str, list[dict[str, Any]]], facts: dict[str, dict[str, Any]]) -> dict:
+    """The scan data file's content from matrix rows and registry facts, per release.
+
+    ``absent`` lists the aten ops other releases have and this one lacks (the full op list
+    of every release would make the file several times larger).
+    """
+    every_op = sorted({op for f in facts.values() for op in f["aten_ops"]})
+    releases: dict[str, Any] = {}
+    for release, fact in facts.items():
+        own = set(fact["aten_ops"])
+        patches = {}
+        for row in results[release]:
+            patches[row["patch"]] = {
+                "ops": row["ops"],
+                "gate": row["gate"],
+                "in_gate": row["in_gate"],
+                "installs": fact["installs"].get(row["patch"], []),
+                "stock": row["stock"],
+            }
+        releases[release] = {
+            "torch": fact["torch"],
+            "strategies": fact["strategies"],
+            "single_dim": fact["single_dim"],
+            "handlers": fact["handlers"],
+            "decomposes": fact["decomposes"],
+            "absent": [op for op in every_op if op not in own],
+            "patches": patches,
+        }
+    return {
+        "format": SCAN_DATA_FORMAT,
+        "generated_by": "python -m dtensor_patches.matrix",
+        "releases": releases,
+    }
+
+
+def _run_in(python: Path, flag: str, env: dict[str, str] | None) -> Any:
+    proc = subprocess.run(
+        [python, "-m", "dtensor_patches.matrix", flag],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{python} -m dtensor_patches.matrix {flag} failed:\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def ensure_venv(path: Path, release: str) -> Path:
@@ -179,32 +290,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "compat-matrix.md")
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "compat-matrix.json")
+    parser.add_argument(
+        "--collect-registry",
+        action="store_true",
+        help="print this interpreter's registry facts (for the scan data file) as JSON",
+    )
+    parser.add_argument(
+        "--scan-data",
+        action="store_true",
+        help="regenerate the scan data file only: reuse the matrix rows that are current",
+    )
+    parser.add_argument("--scan-data-out", type=Path, default=SCAN_DATA)
+    parser.add_argument(
+        "--no-install",
+        action="store_true",
+        help="use the venvs as they are (this checkout on PYTHONPATH) instead of installing",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.collect:
         print(json.dumps(collect()))
         return 0
-    given = dict(item.split("=", 1) for item in args.venv)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for release in args.releases:
-        path = Path(given[release]) if release in given else args.venv_root / f"torch-{release}"
-        python = ensure_venv(path, release)
-        log.info("collecting torch %s", release)
-        proc = subprocess.run(
-            [python, "-m", "dtensor_patches.matrix", "--collect"],
-            capture_output=True,
-            text=True,
-            check=False,
+    if args.collect_registry:
+        print(json.dumps(registry_facts()))
+        return 0
+    given = {k: v for k, v in (item.split("=", 1) for item in args.venv)}
+    env = None
+    if args.no_install:
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         )
-        if proc.returncode != 0:
-            log.error("torch %s failed:\n%s", release, proc.stderr[-4000:])
-            return 1
-        results[release] = json.loads(proc.stdout.strip().splitlines()[-1])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(results))
-    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    previous: dict[str, list[dict[str, Any]]] = {}
+    if args.scan_data and args.json.exists():
+        previous = json.loads(args.json.read_text())
+    results: dict[str, list[dict[str, Any]]] = {}
+    facts: dict[str, dict[str, Any]] = {}
+    try:
+        for release in args.releases:
+            path = Path(given[release]) if release in given else args.venv_root / f"torch-{release}"
+            path = path.expanduser()
+            python = path / "bin" / "python" if args.no_install else ensure_venv(path, release)
+            if args.scan_data and _rows_current(previous.get(release), release):
+                log.info("torch %s: matrix rows are current, reused", release)
+                results[release] = previous[release]
+            else:
+                log.info("collecting torch %s (reproducers)", release)
+                results[release] = _run_in(python, "--collect", env)
+            log.info("collecting torch %s (registry)", release)
+            facts[release] = _run_in(python, "--collect-registry", env)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+    if results != {r: previous.get(r) for r in results} or not args.scan_data:
+        merged = {**previous, **results} if args.scan_data else results
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(render(merged))
+        args.json.write_text(json.dumps(merged, indent=1) + "\n")
+        log.info("wrote %s", args.out)
+    args.scan_data_out.parent.mkdir(parents=True, exist_ok=True)
+    args.scan_data_out.write_text(json.dumps(scan_data(results, facts), indent=0) + "\n")
+    log.info("wrote %s", args.scan_data_out)
     broken = _problems(results)
-    log.info("wrote %s (%d broken cells)", args.out, len(broken))
+    log.info("%d broken cells", len(broken))
     return 1 if broken else 0
 
 

@@ -19,6 +19,8 @@ Usage::
 
     python examples/qwen2_tp_sp_logits.py               # apply_all(), compare with single device
     python examples/qwen2_tp_sp_logits.py --no-patches  # stock torch
+    python examples/qwen2_tp_sp_logits.py --only alias  # only these patches
+    dtensor-patches scan examples/qwen2_tp_sp_logits.py:scan_step --apply-all
 
 Prints one JSON line with the outcome per ``logits_to_keep``; exit code 0 when every run's
 logits match the single-device model within ``--atol``, 1 when one differs or raised.
@@ -132,8 +134,16 @@ def _forward(model: Any, input_ids: torch.Tensor, logits_to_keep: int, tp: int =
     return logits[:, : logits.shape[1] - pad] if pad else logits
 
 
-def run_rank(use_patches: bool, keeps: list[int], seq_len: int = SEQ_LEN) -> dict[str, Any]:
-    """On every rank: build, parallelise, run each ``logits_to_keep``; return diffs or errors."""
+def run_rank(
+    use_patches: bool,
+    keeps: list[int],
+    seq_len: int = SEQ_LEN,
+    only: list[str] | None = None,
+) -> dict[str, Any]:
+    """On every rank: build, parallelise, run each ``logits_to_keep``; return diffs or errors.
+
+    ``only``: with ``use_patches``, apply only these patches (``apply_all(only=...)``).
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -141,7 +151,7 @@ def run_rank(use_patches: bool, keeps: list[int], seq_len: int = SEQ_LEN) -> dic
 
     import dtensor_patches
 
-    report = dtensor_patches.apply_all() if use_patches else None
+    report = dtensor_patches.apply_all(only=only) if use_patches else None
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_qwen2_config()).eval()
     reference = copy.deepcopy(model)
@@ -169,6 +179,13 @@ def run_rank(use_patches: bool, keeps: list[int], seq_len: int = SEQ_LEN) -> dic
     }
 
 
+def scan_step() -> None:
+    """The step ``dtensor-patches scan examples/qwen2_tp_sp_logits.py:scan_step`` records: both
+    ``logits_to_keep`` paths (0 and 1) with the patches the caller applied (none of its own;
+    ``--apply-all`` gets it past a release's gaps). Run on every rank."""
+    run_rank(False, [0, 1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-patches", action="store_true", help="run on stock torch")
@@ -178,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[0, 1],
         help="values to run (0 keeps every position: the whole-dim slice that needs the patch)",
+    )
+    parser.add_argument(
+        "--only", nargs="*", metavar="PATCH", help="apply only these patches (none: stock)"
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument(
@@ -189,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--atol", type=float, default=1e-5)
     args = parser.parse_args(argv)
     with RankPool(args.world_size) as pool:
-        results = pool.run(run_rank, not args.no_patches, args.logits_to_keep, args.seq_len)
+        results = pool.run(
+            run_rank, not args.no_patches, args.logits_to_keep, args.seq_len, args.only
+        )
     summary: dict[str, Any] = {
         "torch": results[0]["torch"],
         "seq_len": args.seq_len,

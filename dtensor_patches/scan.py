@@ -1,0 +1,525 @@
+"""``scan()``: which DTensor ops a training step uses, and how each torch release 2.9 to 2.15
+would run them.
+
+::
+
+    with dtensor_patches.scan() as found:
+        train_step(batch)
+    print(found.report())            # table per release, fits 100 columns
+    found.report().to_dict()         # the same for machines
+
+While the block runs, a dispatch mode records every distinct ``(op, input placements)`` the
+step calls on DTensors (the top-level calls DTensor's dispatch sees, forward and backward; not
+the local ops DTensor runs underneath). The prediction for each release comes from the data
+file shipped with the package (``dtensor_patches/data/releases.json``), which the matrix tool
+(``python -m dtensor_patches.matrix``) generates from each release's own DTensor registry and
+each patch's measured stock result. Per release it says which recorded ops have no strategy,
+which patch covers each, which are known to give wrong results (or fail) there, and which
+would fall back.
+
+What it cannot predict, and says so: a step may call other ops on another release (other
+decompositions, other model code paths); an op torch decomposes (CompositeImplicitAutograd)
+runs as the ops of its decomposition there, which the scan does not see; and a patch's bug
+that depends on more than the placements (a negative ``dim``, a dtype, ties) is reported as
+"may", not as certain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+__all__ = ["Call", "Finding", "ReleaseVerdict", "Scan", "ScanReport", "release_data", "scan"]
+
+DATA_PACKAGE = "dtensor_patches.data"
+DATA_FILE = "releases.json"
+
+
+@dataclass
+class Call:
+    """One distinct ``(op, input placements)`` the step used.
+
+    Attributes:
+        op: ``"aten.op.overload"``.
+        inputs: one entry per tensor argument in call order (lists flattened, then keyword
+            arguments): a DTensor's placements, e.g. ``"S(1)"`` or ``"S(0)R"`` on a 2-D mesh,
+            ``"P(sum)"``, or ``"tensor"`` for a plain ``torch.Tensor`` (0-dim ones included).
+        count: how many calls had this key.
+        uneven: some call had a sharded dim whose size the mesh dim does not divide.
+    """
+
+    op: str
+    inputs: tuple[str, ...]
+    count: int = 0
+    uneven: bool = False
+
+    @property
+    def partial_inputs(self) -> bool:
+        return any(i.startswith("P") or "P(" in i for i in self.inputs)
+
+    @property
+    def sharded_inputs(self) -> bool:
+        return any(("S(" in i) or ("P(" in i) for i in self.inputs)
+
+    @property
+    def mixed(self) -> bool:
+        return "tensor" in self.inputs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "inputs": list(self.inputs),
+            "count": self.count,
+            "uneven": self.uneven,
+        }
+
+
+def _placement_code(placement: Any) -> str:
+    if placement.is_replicate():
+        return "R"
+    if placement.is_partial():
+        return f"P({getattr(placement, 'reduce_op', 'sum')})"
+    if placement.is_shard():
+        return f"S({placement.dim})"
+    return str(placement)
+
+
+def _describe(value: Any, dtensor: type, out: list[str], uneven: list[bool]) -> None:
+    import torch
+
+    if isinstance(value, dtensor):
+        placements = tuple(value.placements)
+        out.append("".join(_placement_code(p) for p in placements))
+        mesh = value.device_mesh
+        for mesh_dim, p in enumerate(placements):
+            if p.is_shard() and value.shape[p.dim] % mesh.size(mesh_dim):
+                uneven[0] = True
+    elif isinstance(value, torch.Tensor):
+        out.append("tensor")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _describe(item, dtensor, out, uneven)
+
+
+class Scan:
+    """What a :func:`scan` block recorded: :attr:`calls` by ``(op, inputs)``, in first-use
+    order, and :attr:`error` (the exception that ended the block, if any, as text)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch.__version__
+        self.calls: dict[tuple[str, tuple[str, ...]], Call] = {}
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def record(self, op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Record one call (called by the dispatch mode; ignores calls without a DTensor)."""
+        from torch.distributed.tensor import DTensor
+
+        inputs: list[str] = []
+        uneven = [False]
+        _describe(list(args) + list(kwargs.values()), DTensor, inputs, uneven)
+        if not any(i != "tensor" for i in inputs):
+            return
+        key = (str(op), tuple(inputs))
+        with self._lock:
+            call = self.calls.get(key)
+            if call is None:
+                call = self.calls[key] = Call(key[0], key[1])
+            call.count += 1
+            call.uneven = call.uneven or uneven[0]
+
+    def merge(self, other: Scan | Mapping[str, Any]) -> None:
+        """Add another rank's record (a :class:`Scan` or its :meth:`to_dict`)."""
+        data = other.to_dict() if isinstance(other, Scan) else other
+        for item in data["calls"]:
+            key = (item["op"], tuple(item["inputs"]))
+            call = self.calls.setdefault(key, Call(*key))
+            call.count = max(call.count, item["count"])
+            call.uneven = call.uneven or item["uneven"]
+        self.error = self.error or data.get("error")
+
+    @property
+    def ops(self) -> list[str]:
+        """The distinct ops, in first-use order."""
+        return list(dict.fromkeys(op for op, _ in self.calls))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "torch": self.torch,
+            "calls": [c.to_dict() for c in self.calls.values()],
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Scan:
+        found = cls()
+        found.torch = data.get("torch", found.torch)
+        found.merge(data)
+        return found
+
+    def report(self, releases: Iterable[str] | None = None) -> ScanReport:
+        """The prediction for each release in the data file (or only ``releases``)."""
+        return predict(self, releases)
+
+
+@contextlib.contextmanager
+def scan() -> Iterator[Scan]:
+    """Record every distinct ``(op, input placements)`` used on DTensors inside the block.
+
+    Opt-in and for one step: a dispatch mode puts Python on every op call while the block
+    runs (the step is slower, its results are unchanged). Calls on other threads are not
+    seen (dispatch modes are per thread; autograd's backward on CPU runs on the caller's).
+    An exception in the block is recorded in :attr:`Scan.error` and raised again.
+
+    Yields:
+        The :class:`Scan`, filled as the block runs.
+
+    Raises:
+        PatchError: the dispatch-mode API moved in this torch.
+    """
+    from dtensor_patches import compat
+
+    found = Scan()
+    mode_class = compat.dispatch_mode_class()
+
+    class _Recorder(mode_class):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            found.record(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    try:
+        with _Recorder():
+            yield found
+    except BaseException as exc:
+        found.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise
+
+
+# --- The release data and the prediction -------------------------------------------------
+
+
+@functools.cache
+def release_data() -> dict[str, Any]:
+    """The shipped data file (see :mod:`dtensor_patches.matrix`): ``{"releases": {"2.9.1": …}}``.
+
+    Raises:
+        FileNotFoundError: the package was installed without its data file.
+    """
+    text = resources.files(DATA_PACKAGE).joinpath(DATA_FILE).read_text()
+    return json.loads(text)
+
+
+def _stock_kind(stock: str | None) -> str | None:
+    """``None`` (correct), ``"fails"`` (raised) or ``"wrong"`` (silently wrong), as the
+    matrix classifies a reproducer's stock result."""
+    if stock is None:
+        return None
+    return "fails" if "Error" in stock else "wrong"
+
+
+def _trigger(patch: str, call: Call) -> bool | None:
+    """Whether ``call`` is the case ``patch`` fixes: ``True``/``False`` where the recorded
+    placements decide it, ``None`` where they cannot (a dim, a dtype, ties)."""
+    if patch == "select_spec":
+        return None  # corrupts the input spec unless sharded on the selected dim
+    if patch in ("inplace_writes", "cumsum_inplace"):
+        # Written targets that need a placement change: a Partial target (2.9-2.11 wrong,
+        # 2.12+ refused); a sharded target the op must gather.
+        if call.inputs and call.inputs[0].startswith("P"):
+            return True
+        return None if call.sharded_inputs else False
+    if patch == "partial_add_scalar":
+        # Partial + a Python number: the number was added on every rank.
+        if not call.partial_inputs:
+            return False
+        return True if call.inputs == ("P(sum)",) else None
+    if patch == "partial_int_cast":
+        return None if call.partial_inputs else False  # the dtype is not recorded
+    if patch == "mean_uneven":
+        return call.uneven  # even shards average correctly (measured)
+    if patch in ("mse_loss", "nll_loss"):
+        # Uneven shards are the measured case; even ones are wrong with a global-count
+        # backward (mse) or ignore_index/weights (nll), which placements do not show.
+        return True if call.uneven else (None if call.sharded_inputs else False)
+    if patch in ("getitem", "index_put"):
+        return (
+            True if call.mixed and call.sharded_inputs else (None if call.sharded_inputs else False)
+        )
+    # Every other measured bug needs sharded data: on Replicate() inputs DTensor runs the op
+    # on the whole tensor.
+    return None if call.sharded_inputs else False
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one release does with one recorded call.
+
+    ``kind``: ``"missing"`` (no strategy or handler; see ``patches``/``fallback``),
+    ``"decomposes"`` (no strategy, torch runs the op's CompositeImplicitAutograd decomposition:
+    not predicted further), ``"wrong"``/``"fails"`` (a patch's reproducer measured this
+    release's stock torch wrong or raising on this case; ``certain`` is ``False`` when the
+    placements cannot tell whether the call is that case), ``"absent"`` (no such op there).
+    ``patches``: the patches that cover it there (``apply_all()``); ``fallback``: no patch does
+    and the call fallback (``dtensor_patches.fallback``) would have to take it.
+    """
+
+    call: Call
+    kind: str
+    patches: tuple[str, ...] = ()
+    certain: bool = True
+    detail: str = ""
+
+    @property
+    def fallback(self) -> bool:
+        return self.kind == "missing" and not self.patches
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.call.op,
+            "inputs": list(self.call.inputs),
+            "kind": self.kind,
+            "certain": self.certain,
+            "patches": list(self.patches),
+            "fallback": self.fallback,
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class ReleaseVerdict:
+    """Every finding for one release, and the two answers: does the step run on stock torch,
+    and does it run (and is it right, as far as measured) with ``apply_all()``."""
+
+    release: str
+    torch: str
+    findings: list[Finding] = field(default_factory=list)
+
+    def of_kind(self, *kinds: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind in kinds]
+
+    @property
+    def missing(self) -> list[Finding]:
+        return self.of_kind("missing")
+
+    @property
+    def fallback(self) -> list[Finding]:
+        return [f for f in self.findings if f.fallback]
+
+    @property
+    def patches_needed(self) -> list[str]:
+        """The patches this step needs on this release (in registry order)."""
+        needed = {p for f in self.findings for p in f.patches}
+        from dtensor_patches import registry
+
+        return [p.name for p in registry.all_patches() if p.name in needed]
+
+    def stock(self) -> str:
+        if self.missing or any(f.certain for f in self.of_kind("fails")):
+            return "fails"
+        if any(f.certain for f in self.of_kind("wrong")):
+            return "wrong"
+        if self.of_kind("wrong", "fails", "decomposes", "absent"):
+            return "check"
+        return "runs"
+
+    def patched(self) -> str:
+        uncovered = [
+            f for f in self.findings if f.kind in ("missing", "wrong", "fails") and not f.patches
+        ]
+        if any(f.kind == "missing" for f in uncovered) or any(f.certain for f in uncovered):
+            return "fails" if any(f.kind != "wrong" for f in uncovered) else "wrong"
+        if uncovered or self.of_kind("decomposes", "absent"):
+            return "check"
+        return "runs"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "release": self.release,
+            "torch": self.torch,
+            "stock": self.stock(),
+            "with_apply_all": self.patched(),
+            "patches_needed": self.patches_needed,
+            "missing": [f.to_dict() for f in self.missing],
+            "fallback": [f.to_dict() for f in self.fallback],
+            "wrong": [f.to_dict() for f in self.of_kind("wrong")],
+            "fails": [f.to_dict() for f in self.of_kind("fails")],
+            "decomposes": [f.to_dict() for f in self.of_kind("decomposes")],
+            "absent": [f.to_dict() for f in self.of_kind("absent")],
+        }
+
+
+def _covering(op: str, facts: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple(
+        name for name, p in facts["patches"].items() if p["in_gate"] and op in p["installs"]
+    )
+
+
+def verdict_for(found: Scan, release: str, facts: Mapping[str, Any]) -> ReleaseVerdict:
+    """The findings of one release (``facts``: its entry in the data file)."""
+    has = set(facts["strategies"]) | set(facts["single_dim"]) | set(facts["handlers"])
+    decomposes, absent = set(facts["decomposes"]), set(facts["absent"])
+    out = ReleaseVerdict(release, facts["torch"])
+    for call in found.calls.values():
+        if call.op in absent:
+            out.findings.append(Finding(call, "absent"))
+            continue
+        if call.op not in has:
+            patches = _covering(call.op, facts)
+            if call.op in decomposes and not patches:
+                out.findings.append(Finding(call, "decomposes"))
+            else:
+                out.findings.append(Finding(call, "missing", patches))
+            continue
+        for name, p in facts["patches"].items():
+            kind = _stock_kind(p["stock"])
+            if kind is None or call.op not in p["ops"]:
+                continue
+            if "does not have a sharding strategy" in p["stock"]:
+                continue  # a missing strategy: the registry facts decide per op
+            hit = _trigger(name, call)
+            if hit is False:
+                continue
+            fix = (name,) if p["in_gate"] else ()
+            out.findings.append(Finding(call, kind, fix, certain=bool(hit), detail=p["stock"]))
+    return out
+
+
+@dataclass
+class ScanReport:
+    """The prediction for every release: :attr:`verdicts` in release order."""
+
+    scan: Scan
+    verdicts: list[ReleaseVerdict]
+
+    def verdicts_for(self, *releases: str) -> list[ReleaseVerdict]:
+        """The verdicts of ``releases``, in that order.
+
+        Raises:
+            KeyError: a release not in this report.
+        """
+        by_release = {v.release: v for v in self.verdicts}
+        return [by_release[r] for r in releases]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recorded_on": self.scan.torch,
+            "error": self.scan.error,
+            "calls": [c.to_dict() for c in self.scan.calls.values()],
+            "releases": {v.release: v.to_dict() for v in self.verdicts},
+        }
+
+    def table(self, width: int = 100) -> str:
+        from dtensor_patches.scan_table import render
+
+        return render(self, width)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def predict(found: Scan, releases: Iterable[str] | None = None) -> ScanReport:
+    """:class:`ScanReport` of ``found`` for ``releases`` (default: every release in the file).
+
+    Raises:
+        KeyError: a release the data file has no entry for (the message lists those it has).
+    """
+    data = release_data()["releases"]
+    wanted = list(data) if releases is None else list(releases)
+    unknown = [r for r in wanted if r not in data]
+    if unknown:
+        raise KeyError(f"no scan data for torch {unknown}; the data file has {list(data)}")
+    return ScanReport(found, [verdict_for(found, r, data[r]) for r in wanted])
+
+
+# --- Running a user's step: ``dtensor-patches scan MODULE:FUNCTION`` ------------------------
+
+
+def resolve_target(target: str) -> Any:
+    """``"pkg.module:function"`` or ``"path/to/file.py:function"`` -> the function.
+
+    A file's directory is put on ``sys.path`` and the file imported under its stem, so that
+    spawned ranks can import it by name too.
+
+    Raises:
+        ValueError: ``target`` has no ``:FUNCTION`` part, or the module has no such function.
+        ImportError: the module cannot be imported.
+    """
+    import importlib
+    import sys
+    from pathlib import Path
+
+    module_name, sep, function = target.rpartition(":")
+    if not sep or not module_name or not function:
+        raise ValueError(f"scan target must be MODULE:FUNCTION or FILE.py:FUNCTION, got {target!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name).resolve()
+        if not path.is_file():
+            raise ValueError(f"scan target {target!r}: no file {path}")
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        module_name = path.stem
+    module = importlib.import_module(module_name)
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ValueError(f"scan target {target!r}: {module_name} has no function {function!r}")
+    return fn
+
+
+def _scan_on_rank(target: str, apply_patches: bool) -> dict[str, Any]:
+    import dtensor_patches
+
+    fn = resolve_target(target)
+    if apply_patches:
+        dtensor_patches.apply_all()
+    found = Scan()
+    try:
+        with scan() as found:
+            fn()
+    except Exception:  # noqa: BLE001 - recorded in found.error and reported by the caller
+        pass
+    return found.to_dict()
+
+
+def scan_function(target: str, *, world_size: int = 2, apply_patches: bool = False) -> Scan:
+    """Run ``target`` (see :func:`resolve_target`, called without arguments) under
+    :func:`scan` on every rank and return the union of what the ranks recorded.
+
+    Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it runs in this process's group (created
+    with gloo if there is none yet); otherwise on ``world_size`` spawned CPU gloo ranks. The
+    function builds its own mesh. ``apply_patches`` calls ``apply_all()`` first, so a step
+    gets past this release's gaps and the rest of it is recorded too.
+
+    Raises:
+        ValueError, ImportError: the target cannot be resolved (see :func:`resolve_target`).
+        RankError: a rank died outside the step.
+    """
+    import os
+
+    resolve_target(target)  # fail here, before spawning ranks, on a bad target
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        mine = _scan_on_rank(target, apply_patches)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        results = everyone
+    else:
+        from dtensor_patches.testing import RankPool
+
+        with RankPool(world_size) as pool:
+            results = pool.run(_scan_on_rank, target, apply_patches)
+    found = Scan.from_dict(results[0])
+    for other in results[1:]:
+        found.merge(other)
+    return found
