@@ -25,6 +25,7 @@ from dtensor_patches.registry import (
     revert_all,
 )
 from dtensor_patches.report import Outcome, Report, Status
+from dtensor_patches.verify import Mismatch, VerifyError, VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -32,12 +33,15 @@ __all__ = [
     "DISABLE_ENV",
     "Handler",
     "LostWriteError",
+    "Mismatch",
     "Outcome",
     "Patch",
     "PatchError",
     "Report",
     "Status",
     "Strategy",
+    "VerifyError",
+    "VerifyReport",
     "__version__",
     "all_patches",
     "apply_all",
@@ -45,4 +49,5 @@ __all__ = [
     "patched",
     "plan",
     "revert_all",
+    "verify",
 ]

@@ -34,6 +34,7 @@ from dtensor_patches.errors import PatchError
 
 __all__ = [
     "ANY_OP",
+    "FALLBACK_DECISION",
     "REGISTRY_TABLES",
     "CallFallback",
     "DivertedCall",
@@ -41,9 +42,14 @@ __all__ = [
     "NativeDecision",
     "check_call_time_internals",
     "clear_sharding_caches",
+    "current_autograd_node",
     "custom_op_handlers",
+    "dispatch_mode_base",
+    "dtensor_class",
     "dtensor_types",
     "entry_in_effect",
+    "entry_owner",
+    "full_value",
     "has_native_handler",
     "has_native_strategy",
     "has_single_dim_strategy",
@@ -53,9 +59,11 @@ __all__ = [
     "local_shape_and_offset",
     "local_shape_and_offset_function",
     "local_tensor",
+    "loss_parallel_internals",
     "make_dtensor",
     "mark_applied",
     "miss_hook_installed",
+    "miss_rules_table",
     "op_arguments",
     "out_variant",
     "owned_entries",
@@ -70,10 +78,12 @@ __all__ = [
     "set_placements",
     "sharding_propagator",
     "shares_storage",
+    "spec_shape",
     "spec_with_placements",
     "torch_release",
     "torch_version",
     "view_geometry_is_global",
+    "watch_decisions",
 ]
 
 _MISSING = object()
@@ -113,6 +123,11 @@ def _dtensor_class() -> Any:
             internal="torch.distributed.tensor.DTensor",
         ) from exc
     return DTensor
+
+
+def dtensor_class() -> type:
+    """``torch.distributed.tensor.DTensor``."""
+    return _dtensor_class()
 
 
 def op_dispatcher() -> Any:
@@ -555,17 +570,32 @@ _HOOK_ORIGINALS: dict[str, Any] = {}
 
 
 def _decide(op: Any, schema: Any, native: NativeDecision) -> DivertedCall | None:
-    for rule in (_MISS_RULES.get(op), _MISS_RULES.get(ANY_OP)):
+    for key in (op, ANY_OP):
+        rule = _MISS_RULES.get(key)
         if rule is not None:
             run = rule(schema, native)
             if run is not None:
+                _note_decision(op, key)
                 return run
     fallback = _FALLBACK[0]
     if fallback is not None:
         error = native.error()
         if error is not None and not _decomposes_itself(op, error):
+            _note_decision(op, FALLBACK_DECISION)
             return lambda op_call, args, kwargs: fallback(op_call, args, kwargs, error)
     return None
+
+
+# Diverted decisions, noted only while a thread watches them (verify()); misses only.
+_DECISIONS_TLS = threading.local()
+FALLBACK_DECISION = "fallback"
+"""What :func:`watch_decisions` notes for a call the call fallback ran."""
+
+
+def _note_decision(op: Any, key: Any) -> None:
+    log = getattr(_DECISIONS_TLS, "log", None)
+    if log is not None:
+        log.append((op, key))
 
 
 def _decomposes_itself(op: Any, error: Exception) -> bool:
@@ -901,3 +931,143 @@ def op_arguments(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict
         else:
             raise TypeError(f"{op}: missing argument {argument.name!r}")
     return bound
+
+
+# --- Seeing DTensor calls (verify) ---------------------------------------------------------
+#
+# ``dtensor_patches.verify`` is an opt-in debugging tool: a ``TorchDispatchMode`` sees every
+# DTensor call at the top of dispatch (forward and backward), gathers its inputs and runs the
+# same op on full tensors. The private pieces it needs are here.
+
+
+def dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (stable in 2.9 to 2.15).
+
+    Raises:
+        PatchError: the class moved.
+    """
+    try:
+        from torch.utils import _python_dispatch
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.utils._python_dispatch",
+            internal="torch.utils._python_dispatch",
+        ) from exc
+    return _attr(
+        _python_dispatch, "TorchDispatchMode", "torch.utils._python_dispatch.TorchDispatchMode"
+    )
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose backward is running on this thread, or ``None`` outside
+    backward (``torch._C._current_autograd_node``).
+
+    Raises:
+        PatchError: the function moved.
+    """
+    return _attr(torch._C, "_current_autograd_node", "torch._C._current_autograd_node")()
+
+
+class watch_decisions:
+    """Note, on this thread, every call that a miss rule or the call fallback ran instead of
+    torch: a list of ``(op, key)``, ``key`` being the rule's op, :data:`ANY_OP` or
+    :data:`FALLBACK_DECISION`. Nests (the inner block sees only its own calls)."""
+
+    def __enter__(self) -> list[tuple[Any, Any]]:
+        self._outer = getattr(_DECISIONS_TLS, "log", None)
+        self.log: list[tuple[Any, Any]] = []
+        _DECISIONS_TLS.log = self.log
+        return self.log
+
+    def __exit__(self, *exc: object) -> None:
+        _DECISIONS_TLS.log = self._outer
+
+
+def entry_owner(table: str, op: Any) -> object | None:
+    """The owner (a patch) of the entry ``table`` holds for ``op`` now, ``None`` when it is
+    torch's own (or someone else's): the top ownership layer, if it is still in effect."""
+    layers = _LAYERS.get((table, op))
+    if not layers:
+        return None
+    owner, value = layers[-1]
+    return owner if _tables()[table].get(op, _MISSING) is value else None
+
+
+def miss_rules_table() -> str:
+    """The name under which miss rules appear in :func:`registry_state` and ownership keys."""
+    return _MISS_RULES_TABLE
+
+
+def full_value(dtensor: Any) -> torch.Tensor:
+    """The full (global, reduced) value of ``dtensor`` as a plain tensor, without autograd
+    history and without consuming state that a later redistribution needs.
+
+    ``_MaskPartial`` (vocab-parallel embedding) keeps its mask on the placement object and
+    releases it when reduced; gathering such a tensor for a check would make the model's own
+    reduction fail later, so the mask is put back.
+
+    Raises:
+        PatchError: ``DTensor.full_tensor`` moved.
+    """
+    buffers = []
+    for placement in dtensor.placements:
+        buffer = getattr(placement, "mask_buffer", None)
+        if buffer is not None:
+            buffers.append((buffer, getattr(buffer, "data", None)))
+    try:
+        from torch.distributed.tensor import Replicate, _redistribute
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor._redistribute",
+            internal="torch.distributed.tensor._redistribute",
+        ) from exc
+    redistribute = _attr(
+        _redistribute,
+        "redistribute_local_tensor",
+        "torch.distributed.tensor._redistribute.redistribute_local_tensor",
+    )
+    spec = _attr(dtensor, "_spec", "DTensor._spec")
+    target = spec_with_placements(spec, [Replicate()] * len(spec.placements))
+    try:
+        # Below autograd on purpose: an autograd.Function inside a dispatch mode is refused
+        # on 2.9 (``detach_`` has no strategy).
+        with torch.no_grad():
+            out = redistribute(local_tensor(dtensor), spec, target)
+            wait = getattr(out, "wait", None)
+            if type(out) is not torch.Tensor and callable(wait):
+                out = wait()  # AsyncCollectiveTensor
+            return out.clone()
+    finally:
+        for buffer, data in buffers:
+            buffer.data = data
+
+
+def spec_shape(dtensor: Any) -> tuple[int, ...] | None:
+    """The global shape ``dtensor``'s spec records (``_spec.tensor_meta.shape``), which DTensor
+    propagates from; ``None`` when the spec has no tensor meta."""
+    meta = getattr(_attr(dtensor, "_spec", "DTensor._spec"), "tensor_meta", None)
+    return None if meta is None else tuple(meta.shape)
+
+
+def loss_parallel_internals() -> SimpleNamespace:
+    """``torch.distributed.tensor.parallel.loss``: the module, its ``customized_loss_ops``
+    table (op -> handler, installed into ``_custom_op_handlers`` on entering
+    ``loss_parallel()`` and *popped* on leaving it, in 2.9 to 2.15) and its
+    ``_disable_custom_loss_ops``.
+
+    Raises:
+        PatchError: one of them moved.
+    """
+    try:
+        from torch.distributed.tensor.parallel import loss
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor.parallel.loss",
+            internal="torch.distributed.tensor.parallel.loss",
+        ) from exc
+    prefix = "torch.distributed.tensor.parallel.loss."
+    return SimpleNamespace(
+        module=loss,
+        ops=_attr(loss, "customized_loss_ops", prefix + "customized_loss_ops"),
+        disable=_attr(loss, "_disable_custom_loss_ops", prefix + "_disable_custom_loss_ops"),
+    )
