@@ -35,6 +35,8 @@ from dtensor_patches.errors import PatchError
 __all__ = [
     "ANY_OP",
     "FALLBACK_DECISION",
+    "LOSS_PARALLEL_HANDLERS",
+    "LOSS_PARALLEL_MODULE",
     "REGISTRY_TABLES",
     "CallFallback",
     "DivertedCall",
@@ -67,6 +69,7 @@ __all__ = [
     "op_arguments",
     "out_variant",
     "owned_entries",
+    "reassert_owned",
     "register_custom_handler",
     "register_miss_rule",
     "register_strategy",
@@ -80,6 +83,7 @@ __all__ = [
     "shares_storage",
     "spec_shape",
     "spec_with_placements",
+    "table_names",
     "torch_release",
     "torch_version",
     "view_geometry_is_global",
@@ -255,7 +259,31 @@ def _tables() -> dict[str, dict[Any, Any]]:
             continue
         tables[dotted] = table
     tables[_MISS_RULES_TABLE] = _MISS_RULES
+    tables.update(_loss_parallel_tables())
     return tables
+
+
+LOSS_PARALLEL_HANDLERS = "loss_parallel.customized_loss_ops"
+"""Table name of ``loss_parallel()``'s op -> handler dict (what it installs on entering)."""
+LOSS_PARALLEL_MODULE = "loss_parallel.module"
+"""Table name of ``torch.distributed.tensor.parallel.loss``'s globals, whose functions
+``loss_parallel()`` looks up when it runs (a patch may wrap ``_disable_custom_loss_ops``)."""
+
+
+def _loss_parallel_tables() -> dict[str, dict[Any, Any]]:
+    try:
+        from torch.distributed.tensor.parallel import loss
+    except ImportError:
+        return {}
+    handlers = getattr(loss, "customized_loss_ops", None)
+    if not isinstance(handlers, dict):
+        return {}
+    return {LOSS_PARALLEL_HANDLERS: handlers, LOSS_PARALLEL_MODULE: vars(loss)}
+
+
+def table_names() -> list[str]:
+    """The names of every registry table (see :func:`registry_state`), without copying them."""
+    return list(_tables())
 
 
 # --- Ownership of registry entries -------------------------------------------------------
@@ -342,6 +370,26 @@ def owned_entries(owner: object) -> dict[tuple[str, Any], Any]:
             if o is owner:
                 out[key] = value
     return out
+
+
+def reassert_owned(table: str, ops: Iterable[Any]) -> list[Any]:
+    """Put the top ownership layer of ``table``'s entry for each of ``ops`` back where
+    something outside this library (a torch context manager) replaced or removed it.
+
+    Returns the ops whose entry was put back (their cached decisions are stale: the caller
+    clears the caches). Entries no patch owns are left as they are.
+    """
+    tables = _tables()
+    restored = []
+    for op in ops:
+        layers = _LAYERS.get((table, op))
+        if not layers:
+            continue
+        value = layers[-1][1]
+        if tables[table].get(op, _MISSING) is not value:
+            tables[table][op] = value
+            restored.append(op)
+    return restored
 
 
 def entry_in_effect(table: str, op: Any) -> Any:

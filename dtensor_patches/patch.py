@@ -78,6 +78,14 @@ def _key(name: str) -> Any:
     return compat.ANY_OP if name == compat.ANY_OP else compat.resolve_op(name)
 
 
+def _keys_of(registration: Any) -> list[Any]:
+    """The registry keys a registration changes: its op's, or what it declares itself with a
+    ``keys()`` method (registrations of entries not keyed by an op, e.g. a torch function
+    that a patch wraps)."""
+    keys = getattr(registration, "keys", None)
+    return list(keys()) if callable(keys) else [_key(registration.op)]
+
+
 Registration = Strategy | Handler | MissRule
 
 # A reproducer runs collectively on every rank of a mesh, with no patch of its own applied
@@ -204,7 +212,7 @@ class Patch:
                 changed: list[Any] = []
                 for registration in wanted:
                     changed += compat.install_owned(
-                        self, [_key(registration.op)], registration.install
+                        self, _keys_of(registration), registration.install
                     )
                 compat.clear_sharding_caches()
                 compat.mark_applied(self, changed)

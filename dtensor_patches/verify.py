@@ -121,7 +121,11 @@ class VerifyReport:
             f"dtensor_patches.verify: {total} DTensor calls ({len(self.calls)} ops), "
             f"{self.checked} checked, {len(self.mismatches)} mismatch(es)",
             f"  native {self.native}, patched {sum(self.patched.values())}"
-            + (f" ({', '.join(f'{k} {v}' for k, v in self.patched.most_common())})" if self.patched else "")
+            + (
+                f" ({', '.join(f'{k} {v}' for k, v in self.patched.most_common())})"
+                if self.patched
+                else ""
+            )
             + f", fallback {sum(self.fallback.values())}",
         ]
         if self.unchecked:
@@ -189,7 +193,11 @@ def _compare(got: Any, expected: Any, atol: float, rtol: float) -> tuple[str, fl
         if _exact(expected):
             if torch.equal(got, expected):
                 return None
-            diff = (got.double() - expected.double()).abs().max().item() if got.dtype != torch.bool else 1.0
+            diff = (
+                (got.double() - expected.double()).abs().max().item()
+                if got.dtype != torch.bool
+                else 1.0
+            )
             return "values differ (exact dtype)", float(diff)
         if torch.allclose(got, expected, atol=atol, rtol=rtol, equal_nan=True):
             return None
@@ -198,7 +206,9 @@ def _compare(got: Any, expected: Any, atol: float, rtol: float) -> tuple[str, fl
     if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
         return f"{type(got).__name__} != single-device {type(expected).__name__}", None
     if isinstance(expected, float) and isinstance(got, float):
-        if abs(got - expected) <= atol + rtol * abs(expected) or (got != got and expected != expected):
+        if abs(got - expected) <= atol + rtol * abs(expected) or (
+            got != got and expected != expected
+        ):
             return None
         return f"{got!r} != single-device {expected!r}", abs(got - expected)
     if type(got) is not type(expected) and not (
@@ -250,7 +260,7 @@ class _Checker:
             owner = compat.entry_owner(compat.miss_rules_table(), key)
             if owner is not None:
                 return "patched", owner.name
-        for table in compat.registry_state():
+        for table in compat.table_names():
             if table == compat.miss_rules_table():
                 continue
             owner = compat.entry_owner(table, op)
@@ -264,16 +274,22 @@ class _Checker:
         self.report.calls[name] += 1
         dtensor = compat.dtensor_class()
         flat_in = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, dtensor)]
-        inputs = tuple(_describe(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (torch.Tensor, dtensor)))
+        inputs = tuple(
+            _describe(x)
+            for x in pytree.tree_leaves((args, kwargs))
+            if isinstance(x, (torch.Tensor, dtensor))
+        )
         random = torch.Tag.nondeterministic_seeded in func.tags
         reference: tuple[Any, Any] | None = None
         if random:
             self.report.unchecked[f"random: {name}"] += 1
         else:
             reference = pytree.tree_map(
-                lambda x: compat.full_value(x)
-                if isinstance(x, dtensor)
-                else (x.clone() if isinstance(x, torch.Tensor) else x),
+                lambda x: (
+                    compat.full_value(x)
+                    if isinstance(x, dtensor)
+                    else (x.clone() if isinstance(x, torch.Tensor) else x)
+                ),
                 (args, kwargs),
             )
         with compat.watch_decisions() as decisions:
@@ -327,7 +343,10 @@ class _Checker:
             want = [e for e in pytree.tree_leaves(expected) if isinstance(e, torch.Tensor)]
             for g, e in zip(got_leaves, want, strict=False):
                 if tuple(g.shape) != tuple(e.shape) or g.dtype != e.dtype:
-                    return f"shape/dtype {list(g.shape)} {g.dtype} != single-device {list(e.shape)} {e.dtype}", None
+                    return (
+                        f"shape/dtype {list(g.shape)} {g.dtype} != single-device {list(e.shape)} {e.dtype}",
+                        None,
+                    )
             self.report.unchecked[f"uninitialised: {name}"] += 1
             return None
         written = _written_args(func)
@@ -409,9 +428,7 @@ def verify(
     checker = _Checker(atol, rtol, raise_on_mismatch)
     mode = _mode_class()(checker)
     anomaly = (
-        torch.autograd.set_detect_anomaly(True, check_nan=False)
-        if trace_backward
-        else _nothing()
+        torch.autograd.set_detect_anomaly(True, check_nan=False) if trace_backward else _nothing()
     )
     with anomaly, mode:
         yield checker.report

@@ -20,6 +20,7 @@ from dtensor_patches.patches import (
     index_writes,
     inplace_writes,
     isin_searchsorted,
+    loss_parallel_backward,
     masked_scatter,
     max_min_indices,
     mean_uneven,
@@ -30,6 +31,8 @@ from dtensor_patches.patches import (
     order_stats,
     partial_add_scalar,
     partial_int_cast,
+    partial_item,
+    partial_norms,
     pointwise_2_10,
     pointwise_2_11,
     pointwise_gaps,
@@ -82,6 +85,9 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     mv.PATCH,
     elementwise_losses.PATCH,
     nll_loss.PATCH,
+    partial_item.PATCH,
+    partial_norms.PATCH,
+    loss_parallel_backward.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
