@@ -25,6 +25,7 @@ from dtensor_patches.registry import (
     revert_all,
 )
 from dtensor_patches.report import Outcome, Report, Status
+from dtensor_patches.status import PatchState, RegistryStatus, status
 from dtensor_patches.verify import Mismatch, VerifyError, VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -37,6 +38,8 @@ __all__ = [
     "Outcome",
     "Patch",
     "PatchError",
+    "PatchState",
+    "RegistryStatus",
     "Report",
     "Status",
     "Strategy",
@@ -49,5 +52,6 @@ __all__ = [
     "patched",
     "plan",
     "revert_all",
+    "status",
     "verify",
 ]

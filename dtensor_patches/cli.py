@@ -162,9 +162,26 @@ def _environment() -> dict[str, object]:
     }
 
 
+def _survives_loss_parallel() -> str:
+    """Apply every patch, enter and leave ``loss_parallel()`` (no mesh needed: it only
+    swaps handlers), and say whether torch's tables still hold every patch's entries."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from dtensor_patches.status import status
+
+    with registry.patched():
+        with loss_parallel():
+            pass
+        after = status()
+    if after.intact:
+        return f"patches survive loss_parallel(): yes ({len(after.patches)} applied, all in effect)"
+    return f"patches survive loss_parallel(): NO, lost: {', '.join(after.lost)}"
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     env = _environment()
     plan = registry.plan()
+    env["loss_parallel"] = _survives_loss_parallel()
     results = [] if args.no_check else _tripwires(args)
     failed = any(not r.passed for r in results)
     if args.json:
@@ -191,6 +208,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         "distributed backends: "
         + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items())
     )
+    print(env["loss_parallel"])
     print()
     print("apply_all() would:")
     _print_table(["patch", "action", "reason"], [[o.name, o.status.value, o.reason] for o in plan])

@@ -62,6 +62,7 @@ __all__ = [
     "local_shape_and_offset_function",
     "local_tensor",
     "loss_parallel_internals",
+    "lost_entries",
     "make_dtensor",
     "mark_applied",
     "miss_hook_installed",
@@ -390,6 +391,21 @@ def reassert_owned(table: str, ops: Iterable[Any]) -> list[Any]:
             tables[table][op] = value
             restored.append(op)
     return restored
+
+
+def lost_entries(owner: object) -> list[tuple[str, Any]]:
+    """The ``(table, op)`` entries ``owner`` installed that torch's tables no longer hold:
+    the table holds neither ``owner``'s value nor that of a layer stacked over it (something
+    outside this library replaced or removed it)."""
+    tables = _tables()
+    lost = []
+    for key, layers in _LAYERS.items():
+        if not any(o is owner for o, _ in layers):
+            continue
+        name, op = key
+        if tables[name].get(op, _MISSING) is not layers[-1][1]:
+            lost.append(key)
+    return lost
 
 
 def entry_in_effect(table: str, op: Any) -> Any:

@@ -21,6 +21,7 @@ from dtensor_patches.patches import (
     inplace_writes,
     isin_searchsorted,
     loss_parallel_backward,
+    loss_parallel_keeps_patches,
     masked_scatter,
     max_min_indices,
     mean_uneven,
@@ -88,6 +89,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     partial_item.PATCH,
     partial_norms.PATCH,
     loss_parallel_backward.PATCH,
+    loss_parallel_keeps_patches.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
