@@ -1067,7 +1067,7 @@ def full_value(dtensor: Any) -> torch.Tensor:
     history and without consuming state that a later redistribution needs.
 
     ``_MaskPartial`` (vocab-parallel embedding) keeps its mask on the placement object and
-    releases it when reduced; gathering such a tensor for a check would make the model's own
+    releases it when reduced (a refcount); gathering such a tensor for a check would make the model's own
     reduction fail later, so the mask is put back.
 
     Raises:
@@ -1077,7 +1077,7 @@ def full_value(dtensor: Any) -> torch.Tensor:
     for placement in dtensor.placements:
         buffer = getattr(placement, "mask_buffer", None)
         if buffer is not None:
-            buffers.append((buffer, getattr(buffer, "data", None)))
+            buffers.append((buffer, dict(vars(buffer))))  # data and refcount
     try:
         from torch.distributed.tensor import Replicate, _redistribute
     except ImportError as exc:
@@ -1102,8 +1102,8 @@ def full_value(dtensor: Any) -> torch.Tensor:
                 out = wait()  # AsyncCollectiveTensor
             return out.clone()
     finally:
-        for buffer, data in buffers:
-            buffer.data = data
+        for buffer, state in buffers:
+            vars(buffer).update(state)
 
 
 def spec_shape(dtensor: Any) -> tuple[int, ...] | None:
