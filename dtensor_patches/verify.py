@@ -151,7 +151,8 @@ def _user_frame_of(frames: list[tuple[str, int, str, str]]) -> str:
         path = os.path.abspath(filename)
         if path.startswith((_TORCH_DIR, _PACKAGE_DIR)) or "contextlib" in path:
             continue
-        return f"{filename}:{line} in {fn}: {code.strip()}"
+        shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else filename
+        return f"{shown}:{line} in {fn}: {code.strip()}"
     return "<no user frame>"
 
 
