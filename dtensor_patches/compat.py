@@ -37,6 +37,7 @@ __all__ = [
     "FALLBACK_DECISION",
     "LOSS_PARALLEL_HANDLERS",
     "LOSS_PARALLEL_MODULE",
+    "PARALLEL_STYLE_MODULE",
     "REGISTRY_TABLES",
     "CallFallback",
     "DivertedCall",
@@ -70,6 +71,7 @@ __all__ = [
     "op_arguments",
     "out_variant",
     "owned_entries",
+    "parallel_style_internals",
     "reassert_owned",
     "register_custom_handler",
     "register_miss_rule",
@@ -261,7 +263,47 @@ def _tables() -> dict[str, dict[Any, Any]]:
         tables[dotted] = table
     tables[_MISS_RULES_TABLE] = _MISS_RULES
     tables.update(_loss_parallel_tables())
+    tables.update(_parallel_style_tables())
     return tables
+
+
+PARALLEL_STYLE_MODULE = "parallel_style.module"
+"""Table name of ``torch.distributed.tensor.parallel.style``'s globals: the parallel styles
+look ``distribute_module`` up there when they run (a patch may wrap it)."""
+
+
+def _parallel_style_tables() -> dict[str, dict[Any, Any]]:
+    try:
+        from torch.distributed.tensor.parallel import style
+    except ImportError:
+        return {}
+    if not callable(vars(style).get("distribute_module")):
+        return {}
+    return {PARALLEL_STYLE_MODULE: vars(style)}
+
+
+def parallel_style_internals() -> SimpleNamespace:
+    """``torch.distributed.tensor.parallel.style`` and the ``distribute_module`` its styles
+    (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``…) call, 2.9 to 2.15.
+
+    Raises:
+        PatchError: either moved.
+    """
+    try:
+        from torch.distributed.tensor.parallel import style
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor.parallel.style",
+            internal="torch.distributed.tensor.parallel.style",
+        ) from exc
+    return SimpleNamespace(
+        module=style,
+        distribute_module=_attr(
+            style,
+            "distribute_module",
+            "torch.distributed.tensor.parallel.style.distribute_module",
+        ),
+    )
 
 
 LOSS_PARALLEL_HANDLERS = "loss_parallel.customized_loss_ops"

@@ -43,6 +43,7 @@ from dtensor_patches.patches import (
     select_spec,
     squeeze,
     stack_dim,
+    tp_tied_weights,
     unbind,
     unfold,
     var_mean,
@@ -90,6 +91,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     partial_norms.PATCH,
     loss_parallel_backward.PATCH,
     loss_parallel_keeps_patches.PATCH,
+    tp_tied_weights.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
