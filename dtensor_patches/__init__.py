@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     )
     from dtensor_patches.report import Outcome, Report, Status
     from dtensor_patches.scan import scan
+    from dtensor_patches.status import PatchState, RegistryStatus, status
+    from dtensor_patches.verify import Mismatch, VerifyError, VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -53,18 +55,30 @@ _LAZY = {
     "Report": "dtensor_patches.report",
     "Status": "dtensor_patches.report",
     "scan": "dtensor_patches.scan",
+    "PatchState": "dtensor_patches.status",
+    "RegistryStatus": "dtensor_patches.status",
+    "status": "dtensor_patches.status",
+    "Mismatch": "dtensor_patches.verify",
+    "VerifyError": "dtensor_patches.verify",
+    "VerifyReport": "dtensor_patches.verify",
+    "verify": "dtensor_patches.verify",
 }
 
 __all__ = [
     "DISABLE_ENV",
     "Handler",
     "LostWriteError",
+    "Mismatch",
     "Outcome",
     "Patch",
     "PatchError",
+    "PatchState",
+    "RegistryStatus",
     "Report",
     "Status",
     "Strategy",
+    "VerifyError",
+    "VerifyReport",
     "__version__",
     "all_patches",
     "apply_all",
@@ -73,6 +87,8 @@ __all__ = [
     "plan",
     "revert_all",
     "scan",
+    "status",
+    "verify",
 ]
 
 

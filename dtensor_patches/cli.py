@@ -357,6 +357,23 @@ def _summary(plan: Any, results: Sequence[TripwireResult], checked: bool) -> lis
     return lines
 
 
+def _survives_loss_parallel() -> str:
+    """Apply every patch, enter and leave ``loss_parallel()`` (no mesh needed: it only swaps
+    handlers), and say whether torch's tables still hold every patch's entries."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from dtensor_patches import registry
+    from dtensor_patches.status import status
+
+    with registry.patched():
+        with loss_parallel():
+            pass
+        after = status()
+    if after.intact:
+        return f"patches survive loss_parallel(): yes ({len(after.patches)} applied, all in effect)"
+    return f"patches survive loss_parallel(): NO, lost: {', '.join(after.lost)}"
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from dtensor_patches import registry
     from dtensor_patches.report import Status
@@ -366,6 +383,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         _load_torch(args)
         env = _environment()
         plan = registry.plan()
+        env["loss_parallel"] = _survives_loss_parallel()
         plan_failed = bool(plan.names(Status.FAILED))
         if args.json:
             results = [] if pool is None else _run_tripwires(args, pool, stream=False)
@@ -392,6 +410,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             "distributed backends: "
             + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items())
         )
+        _print(str(env["loss_parallel"]))
         _print()
         _print("apply_all() would:")
         cells = [[o.name, o.status.value, _plan_reason(o)] for o in plan]

@@ -34,19 +34,28 @@ from dtensor_patches.errors import PatchError
 
 __all__ = [
     "ANY_OP",
+    "FALLBACK_DECISION",
+    "LOSS_PARALLEL_HANDLERS",
+    "LOSS_PARALLEL_MODULE",
+    "PARALLEL_STYLE_MODULE",
     "REGISTRY_TABLES",
     "CallFallback",
     "DivertedCall",
     "MissRule",
     "NativeDecision",
-    "any_op_key",
     "all_aten_ops",
+    "any_op_key",
     "check_call_time_internals",
     "clear_sharding_caches",
+    "current_autograd_node",
     "custom_op_handlers",
+    "dispatch_mode_base",
     "dispatch_mode_class",
+    "dtensor_class",
     "dtensor_types",
     "entry_in_effect",
+    "entry_owner",
+    "full_value",
     "has_decomposition",
     "has_native_handler",
     "has_native_strategy",
@@ -57,13 +66,18 @@ __all__ = [
     "local_shape_and_offset",
     "local_shape_and_offset_function",
     "local_tensor",
+    "loss_parallel_internals",
+    "lost_entries",
     "make_dtensor",
     "mark_applied",
     "miss_hook_installed",
+    "miss_rules_table",
     "native_registry",
     "op_arguments",
     "out_variant",
     "owned_entries",
+    "parallel_style_internals",
+    "reassert_owned",
     "register_custom_handler",
     "register_miss_rule",
     "register_strategy",
@@ -75,10 +89,13 @@ __all__ = [
     "set_placements",
     "sharding_propagator",
     "shares_storage",
+    "spec_shape",
     "spec_with_placements",
+    "table_names",
     "torch_release",
     "torch_version",
     "view_geometry_is_global",
+    "watch_decisions",
 ]
 
 _MISSING = object()
@@ -118,6 +135,11 @@ def _dtensor_class() -> Any:
             internal="torch.distributed.tensor.DTensor",
         ) from exc
     return DTensor
+
+
+def dtensor_class() -> type:
+    """``torch.distributed.tensor.DTensor``."""
+    return _dtensor_class()
 
 
 def op_dispatcher() -> Any:
@@ -245,7 +267,71 @@ def _tables() -> dict[str, dict[Any, Any]]:
             continue
         tables[dotted] = table
     tables[_MISS_RULES_TABLE] = _MISS_RULES
+    tables.update(_loss_parallel_tables())
+    tables.update(_parallel_style_tables())
     return tables
+
+
+PARALLEL_STYLE_MODULE = "parallel_style.module"
+"""Table name of ``torch.distributed.tensor.parallel.style``'s globals: the parallel styles
+look ``distribute_module`` up there when they run (a patch may wrap it)."""
+
+
+def _parallel_style_tables() -> dict[str, dict[Any, Any]]:
+    try:
+        from torch.distributed.tensor.parallel import style
+    except ImportError:
+        return {}
+    if not callable(vars(style).get("distribute_module")):
+        return {}
+    return {PARALLEL_STYLE_MODULE: vars(style)}
+
+
+def parallel_style_internals() -> SimpleNamespace:
+    """``torch.distributed.tensor.parallel.style`` and the ``distribute_module`` its styles
+    (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``…) call, 2.9 to 2.15.
+
+    Raises:
+        PatchError: either moved.
+    """
+    try:
+        from torch.distributed.tensor.parallel import style
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor.parallel.style",
+            internal="torch.distributed.tensor.parallel.style",
+        ) from exc
+    return SimpleNamespace(
+        module=style,
+        distribute_module=_attr(
+            style,
+            "distribute_module",
+            "torch.distributed.tensor.parallel.style.distribute_module",
+        ),
+    )
+
+
+LOSS_PARALLEL_HANDLERS = "loss_parallel.customized_loss_ops"
+"""Table name of ``loss_parallel()``'s op -> handler dict (what it installs on entering)."""
+LOSS_PARALLEL_MODULE = "loss_parallel.module"
+"""Table name of ``torch.distributed.tensor.parallel.loss``'s globals, whose functions
+``loss_parallel()`` looks up when it runs (a patch may wrap ``_disable_custom_loss_ops``)."""
+
+
+def _loss_parallel_tables() -> dict[str, dict[Any, Any]]:
+    try:
+        from torch.distributed.tensor.parallel import loss
+    except ImportError:
+        return {}
+    handlers = getattr(loss, "customized_loss_ops", None)
+    if not isinstance(handlers, dict):
+        return {}
+    return {LOSS_PARALLEL_HANDLERS: handlers, LOSS_PARALLEL_MODULE: vars(loss)}
+
+
+def table_names() -> list[str]:
+    """The names of every registry table (see :func:`registry_state`), without copying them."""
+    return list(_tables())
 
 
 # --- Ownership of registry entries -------------------------------------------------------
@@ -332,6 +418,41 @@ def owned_entries(owner: object) -> dict[tuple[str, Any], Any]:
             if o is owner:
                 out[key] = value
     return out
+
+
+def reassert_owned(table: str, ops: Iterable[Any]) -> list[Any]:
+    """Put the top ownership layer of ``table``'s entry for each of ``ops`` back where
+    something outside this library (a torch context manager) replaced or removed it.
+
+    Returns the ops whose entry was put back (their cached decisions are stale: the caller
+    clears the caches). Entries no patch owns are left as they are.
+    """
+    tables = _tables()
+    restored = []
+    for op in ops:
+        layers = _LAYERS.get((table, op))
+        if not layers:
+            continue
+        value = layers[-1][1]
+        if tables[table].get(op, _MISSING) is not value:
+            tables[table][op] = value
+            restored.append(op)
+    return restored
+
+
+def lost_entries(owner: object) -> list[tuple[str, Any]]:
+    """The ``(table, op)`` entries ``owner`` installed that torch's tables no longer hold:
+    the table holds neither ``owner``'s value nor that of a layer stacked over it (something
+    outside this library replaced or removed it)."""
+    tables = _tables()
+    lost = []
+    for key, layers in _LAYERS.items():
+        if not any(o is owner for o, _ in layers):
+            continue
+        name, op = key
+        if tables[name].get(op, _MISSING) is not layers[-1][1]:
+            lost.append(key)
+    return lost
 
 
 def entry_in_effect(table: str, op: Any) -> Any:
@@ -566,19 +687,33 @@ def any_op_key(rule: MissRule) -> tuple[str, str]:
 
 
 def _decide(op: Any, schema: Any, native: NativeDecision) -> DivertedCall | None:
-    rules = [_MISS_RULES.get(op)]
-    rules += [rule for key, rule in _MISS_RULES.items() if isinstance(key, tuple)]
-    for rule in rules:
+    keys = [op, *(key for key in _MISS_RULES if isinstance(key, tuple))]
+    for key in keys:
+        rule = _MISS_RULES.get(key)
         if rule is not None:
             run = rule(schema, native)
             if run is not None:
+                _note_decision(op, key)
                 return run
     fallback = _FALLBACK[0]
     if fallback is not None:
         error = native.error()
         if error is not None and not _decomposes_itself(op, error):
+            _note_decision(op, FALLBACK_DECISION)
             return lambda op_call, args, kwargs: fallback(op_call, args, kwargs, error)
     return None
+
+
+# Diverted decisions, noted only while a thread watches them (verify()); misses only.
+_DECISIONS_TLS = threading.local()
+FALLBACK_DECISION = "fallback"
+"""What :func:`watch_decisions` notes for a call the call fallback ran."""
+
+
+def _note_decision(op: Any, key: Any) -> None:
+    log = getattr(_DECISIONS_TLS, "log", None)
+    if log is not None:
+        log.append((op, key))
 
 
 def _decomposes_itself(op: Any, error: Exception) -> bool:
@@ -1003,4 +1138,144 @@ def dispatch_mode_class() -> Any:
         _python_dispatch,
         "TorchDispatchMode",
         "torch.utils._python_dispatch.TorchDispatchMode",
+    )
+
+
+# --- Seeing DTensor calls (verify) ---------------------------------------------------------
+#
+# ``dtensor_patches.verify`` is an opt-in debugging tool: a ``TorchDispatchMode`` sees every
+# DTensor call at the top of dispatch (forward and backward), gathers its inputs and runs the
+# same op on full tensors. The private pieces it needs are here.
+
+
+def dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (stable in 2.9 to 2.15).
+
+    Raises:
+        PatchError: the class moved.
+    """
+    try:
+        from torch.utils import _python_dispatch
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.utils._python_dispatch",
+            internal="torch.utils._python_dispatch",
+        ) from exc
+    return _attr(
+        _python_dispatch, "TorchDispatchMode", "torch.utils._python_dispatch.TorchDispatchMode"
+    )
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose backward is running on this thread, or ``None`` outside
+    backward (``torch._C._current_autograd_node``).
+
+    Raises:
+        PatchError: the function moved.
+    """
+    return _attr(torch._C, "_current_autograd_node", "torch._C._current_autograd_node")()
+
+
+class watch_decisions:
+    """Note, on this thread, every call that a miss rule or the call fallback ran instead of
+    torch: a list of ``(op, key)``, ``key`` being the rule's op, :data:`ANY_OP` or
+    :data:`FALLBACK_DECISION`. Nests (the inner block sees only its own calls)."""
+
+    def __enter__(self) -> list[tuple[Any, Any]]:
+        self._outer = getattr(_DECISIONS_TLS, "log", None)
+        self.log: list[tuple[Any, Any]] = []
+        _DECISIONS_TLS.log = self.log
+        return self.log
+
+    def __exit__(self, *exc: object) -> None:
+        _DECISIONS_TLS.log = self._outer
+
+
+def entry_owner(table: str, op: Any) -> object | None:
+    """The owner (a patch) of the entry ``table`` holds for ``op`` now, ``None`` when it is
+    torch's own (or someone else's): the top ownership layer, if it is still in effect."""
+    layers = _LAYERS.get((table, op))
+    if not layers:
+        return None
+    owner, value = layers[-1]
+    return owner if _tables()[table].get(op, _MISSING) is value else None
+
+
+def miss_rules_table() -> str:
+    """The name under which miss rules appear in :func:`registry_state` and ownership keys."""
+    return _MISS_RULES_TABLE
+
+
+def full_value(dtensor: Any) -> torch.Tensor:
+    """The full (global, reduced) value of ``dtensor`` as a plain tensor, without autograd
+    history and without consuming state that a later redistribution needs.
+
+    ``_MaskPartial`` (vocab-parallel embedding) keeps its mask on the placement object and
+    releases it when reduced (a refcount); gathering such a tensor for a check would make the model's own
+    reduction fail later, so the mask is put back.
+
+    Raises:
+        PatchError: ``DTensor.full_tensor`` moved.
+    """
+    buffers = []
+    for placement in dtensor.placements:
+        buffer = getattr(placement, "mask_buffer", None)
+        if buffer is not None:
+            buffers.append((buffer, dict(vars(buffer))))  # data and refcount
+    try:
+        from torch.distributed.tensor import Replicate, _redistribute
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor._redistribute",
+            internal="torch.distributed.tensor._redistribute",
+        ) from exc
+    redistribute = _attr(
+        _redistribute,
+        "redistribute_local_tensor",
+        "torch.distributed.tensor._redistribute.redistribute_local_tensor",
+    )
+    spec = _attr(dtensor, "_spec", "DTensor._spec")
+    target = spec_with_placements(spec, [Replicate()] * len(spec.placements))
+    try:
+        # Below autograd on purpose: an autograd.Function inside a dispatch mode is refused
+        # on 2.9 (``detach_`` has no strategy).
+        with torch.no_grad():
+            out = redistribute(local_tensor(dtensor), spec, target)
+            wait = getattr(out, "wait", None)
+            if type(out) is not torch.Tensor and callable(wait):
+                out = wait()  # AsyncCollectiveTensor
+            return out.clone()
+    finally:
+        for buffer, state in buffers:
+            vars(buffer).update(state)
+
+
+def spec_shape(dtensor: Any) -> tuple[int, ...] | None:
+    """The global shape ``dtensor``'s spec records (``_spec.tensor_meta.shape``), which DTensor
+    propagates from; ``None`` when the spec has no tensor meta."""
+    meta = getattr(_attr(dtensor, "_spec", "DTensor._spec"), "tensor_meta", None)
+    return None if meta is None else tuple(meta.shape)
+
+
+def loss_parallel_internals() -> SimpleNamespace:
+    """``torch.distributed.tensor.parallel.loss``: the module, its ``customized_loss_ops``
+    table (op -> handler, installed into ``_custom_op_handlers`` on entering
+    ``loss_parallel()`` and *popped* on leaving it, in 2.9 to 2.15) and its
+    ``_disable_custom_loss_ops``.
+
+    Raises:
+        PatchError: one of them moved.
+    """
+    try:
+        from torch.distributed.tensor.parallel import loss
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.distributed.tensor.parallel.loss",
+            internal="torch.distributed.tensor.parallel.loss",
+        ) from exc
+    prefix = "torch.distributed.tensor.parallel.loss."
+    return SimpleNamespace(
+        module=loss,
+        ops=_attr(loss, "customized_loss_ops", prefix + "customized_loss_ops"),
+        disable=_attr(loss, "_disable_custom_loss_ops", prefix + "_disable_custom_loss_ops"),
     )

@@ -81,6 +81,16 @@ def _key(name: str) -> Any:
     return compat.resolve_op(name)
 
 
+def _keys_of(registration: Any) -> list[Any]:
+    """The registry keys a registration changes: its op's, or what it declares itself with a
+    ``keys()`` method (registrations of entries not keyed by an op, e.g. a torch function
+    that a patch wraps)."""
+    if isinstance(registration, MissRule):
+        return [registration.key()]
+    keys = getattr(registration, "keys", None)
+    return list(keys()) if callable(keys) else [_key(registration.op)]
+
+
 Registration = Strategy | Handler | MissRule
 
 # A reproducer runs collectively on every rank of a mesh, with no patch of its own applied
@@ -221,12 +231,9 @@ class Patch:
                 wanted = [r for r in registrations if r.op not in keep_native] + derived
                 changed: list[Any] = []
                 for registration in wanted:
-                    key = (
-                        registration.key()
-                        if isinstance(registration, MissRule)
-                        else _key(registration.op)
+                    changed += compat.install_owned(
+                        self, _keys_of(registration), registration.install
                     )
-                    changed += compat.install_owned(self, [key], registration.install)
                 compat.clear_sharding_caches()
                 compat.mark_applied(self, changed)
             except BaseException as exc:

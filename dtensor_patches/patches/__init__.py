@@ -20,6 +20,8 @@ from dtensor_patches.patches import (
     index_writes,
     inplace_writes,
     isin_searchsorted,
+    loss_parallel_backward,
+    loss_parallel_keeps_patches,
     masked_scatter,
     max_min_indices,
     mean_uneven,
@@ -30,6 +32,8 @@ from dtensor_patches.patches import (
     order_stats,
     partial_add_scalar,
     partial_int_cast,
+    partial_item,
+    partial_norms,
     pointwise_2_10,
     pointwise_2_11,
     pointwise_gaps,
@@ -39,6 +43,7 @@ from dtensor_patches.patches import (
     select_spec,
     squeeze,
     stack_dim,
+    tp_tied_weights,
     unbind,
     unfold,
     var_mean,
@@ -84,6 +89,11 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     mv.PATCH,
     elementwise_losses.PATCH,
     nll_loss.PATCH,
+    partial_item.PATCH,
+    partial_norms.PATCH,
+    loss_parallel_backward.PATCH,
+    loss_parallel_keeps_patches.PATCH,
+    tp_tied_weights.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]

@@ -1,0 +1,440 @@
+"""``with dtensor_patches.verify():``: find the DTensor op that is silently wrong in a step.
+
+Every DTensor call inside the block (forward and backward, at the top of dispatch) is run
+twice: as DTensor runs it, and as the same op on the full plain tensors (every DTensor input
+gathered, ``Partial`` inputs reduced). The DTensor result's full value, shape and dtype must
+equal the plain one: integers, bools and indices exactly, floating values within
+``atol``/``rtol``. In-place and ``out=`` ops are judged by the tensor they wrote, views by
+their full value, ``Partial`` results by their reduced value, multi-output ops output by
+output; ``aten._local_scalar_dense`` (``.item()``, ``tolist()``, ``int()``, ``float()``) by the
+Python number. Every DTensor the call touched must also still be self-consistent: its local
+shape is the one its spec implies (a strategy that writes into its input's spec breaks that).
+
+Random ops (``dropout``, ``rand_like``…) run unchecked and are counted as such, and so are ops
+whose plain reference raises or whose output is uninitialised memory (``empty_like``).
+
+Cost: everything is gathered, every op runs twice, forward stack traces are recorded for
+backward ops (autograd anomaly mode). It is for debugging a few steps, never for training;
+``benchmarks/verify_cost.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import traceback
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from dtensor_patches import compat
+
+__all__ = ["Mismatch", "VerifyError", "VerifyReport", "verify"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>.*)')
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One DTensor call whose result differs from the same op on full plain tensors.
+
+    Attributes:
+        op: the op and overload, e.g. ``"aten._local_scalar_dense.default"``.
+        phase: ``"forward"`` or ``"backward"``.
+        path: how DTensor ran it: ``"native"``, ``"patched: <patch>"`` or ``"fallback"``.
+        problem: what differs (shape, dtype, values, spec), with the numbers.
+        max_diff: the largest absolute difference of the values, when they are comparable.
+        inputs: per DTensor input, ``"shape placements"``; plain arguments as ``repr``.
+        outputs: the same for the outputs.
+        source: the user's line that made the call, ``"file:line in fn: code"`` (for a
+            backward op: the forward line that recorded it, when known).
+    """
+
+    op: str
+    phase: str
+    path: str
+    problem: str
+    max_diff: float | None
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    source: str
+
+    def __str__(self) -> str:
+        diff = "" if self.max_diff is None else f" (largest difference {self.max_diff:.3g})"
+        return (
+            f"{self.op} ({self.phase}, {self.path}): {self.problem}{diff}\n"
+            f"  at {self.source}\n"
+            f"  inputs:  {'; '.join(self.inputs)}\n"
+            f"  outputs: {'; '.join(self.outputs)}"
+        )
+
+
+class VerifyError(AssertionError):
+    """A DTensor call gave a different result than the single-device computation."""
+
+    def __init__(self, mismatch: Mismatch) -> None:
+        super().__init__(f"DTensor result differs from the single-device result:\n{mismatch}")
+        self.mismatch = mismatch
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify` saw: every mismatch, and a count of the DTensor calls by path.
+
+    Attributes:
+        mismatches: in the order found.
+        calls: DTensor calls seen, by op name.
+        native: calls DTensor ran with torch's own strategy or handler.
+        patched: calls a patch ran (a strategy, handler or miss rule of that patch), by patch.
+        fallback: calls the call fallback (issue 10) ran, by op.
+        unchecked: calls not compared, by reason (``"random: aten.native_dropout.default"``).
+    """
+
+    mismatches: list[Mismatch] = field(default_factory=list)
+    calls: Counter[str] = field(default_factory=Counter)
+    native: int = 0
+    patched: Counter[str] = field(default_factory=Counter)
+    fallback: Counter[str] = field(default_factory=Counter)
+    unchecked: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def clean(self) -> bool:
+        """No mismatch was found."""
+        return not self.mismatches
+
+    @property
+    def checked(self) -> int:
+        return sum(self.calls.values()) - sum(self.unchecked.values())
+
+    def __str__(self) -> str:
+        total = sum(self.calls.values())
+        lines = [
+            f"dtensor_patches.verify: {total} DTensor calls ({len(self.calls)} ops), "
+            f"{self.checked} checked, {len(self.mismatches)} mismatch(es)",
+            f"  native {self.native}, patched {sum(self.patched.values())}"
+            + (
+                f" ({', '.join(f'{k} {v}' for k, v in self.patched.most_common())})"
+                if self.patched
+                else ""
+            )
+            + f", fallback {sum(self.fallback.values())}",
+        ]
+        if self.unchecked:
+            lines.append(
+                "  unchecked: " + ", ".join(f"{k} x{v}" for k, v in self.unchecked.most_common())
+            )
+        lines += [str(m) for m in self.mismatches]
+        return "\n".join(lines)
+
+
+def _describe(x: Any) -> str:
+    dtensor = compat.dtensor_class()
+    if isinstance(x, dtensor):
+        return f"{list(x.shape)} {tuple(x.placements)} {str(x.dtype).removeprefix('torch.')}"
+    if isinstance(x, torch.Tensor):
+        return f"plain {list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _user_frame_of(frames: list[tuple[str, int, str, str]]) -> str:
+    for filename, line, fn, code in reversed(frames):
+        path = os.path.abspath(filename)
+        if path.startswith((_TORCH_DIR, _PACKAGE_DIR)) or "contextlib" in path:
+            continue
+        shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else filename
+        return f"{shown}:{line} in {fn}: {code.strip()}"
+    return "<no user frame>"
+
+
+def _source(phase: str) -> str:
+    if phase == "backward":
+        node = compat.current_autograd_node()
+        trace = getattr(node, "metadata", {}).get("traceback_") if node is not None else None
+        if trace:
+            frames = [
+                (m["file"], int(m["line"]), m["fn"], m["code"])
+                for m in (_FRAME.search(entry) for entry in trace)
+                if m is not None
+            ]
+            return f"backward of {_user_frame_of(frames)}"
+        return f"backward, called from {_user_frame_of(_stack())}"
+    return _user_frame_of(_stack())
+
+
+def _stack() -> list[tuple[str, int, str, str]]:
+    return [(f.filename, f.lineno or 0, f.name, f.line or "") for f in traceback.extract_stack()]
+
+
+def _exact(x: torch.Tensor) -> bool:
+    return not (x.is_floating_point() or x.is_complex())
+
+
+def _compare(got: Any, expected: Any, atol: float, rtol: float) -> tuple[str, float | None] | None:
+    """``None`` when equal, else ``(problem, largest difference)``."""
+    dtensor = compat.dtensor_class()
+    if isinstance(got, dtensor):
+        got = compat.full_value(got)
+    if isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor):
+        if got.shape != expected.shape:
+            return f"shape {list(got.shape)} != single-device {list(expected.shape)}", None
+        if got.dtype != expected.dtype:
+            return f"dtype {got.dtype} != single-device {expected.dtype}", None
+        if got.numel() == 0:
+            return None
+        if _exact(expected):
+            if torch.equal(got, expected):
+                return None
+            diff = (
+                (got.double() - expected.double()).abs().max().item()
+                if got.dtype != torch.bool
+                else 1.0
+            )
+            return "values differ (exact dtype)", float(diff)
+        if torch.allclose(got, expected, atol=atol, rtol=rtol, equal_nan=True):
+            return None
+        diff = (got - expected).abs().nan_to_num(float("inf")).max().item()
+        return "values differ", float(diff)
+    if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
+        return f"{type(got).__name__} != single-device {type(expected).__name__}", None
+    if isinstance(expected, float) and isinstance(got, float):
+        if abs(got - expected) <= atol + rtol * abs(expected) or (
+            got != got and expected != expected
+        ):
+            return None
+        return f"{got!r} != single-device {expected!r}", abs(got - expected)
+    if type(got) is not type(expected) and not (
+        isinstance(got, (int, bool)) and isinstance(expected, (int, bool))
+    ):
+        return f"{got!r} ({type(got).__name__}) != single-device {expected!r}", None
+    if got != expected:
+        diff = abs(got - expected) if isinstance(got, (int, float)) else None
+        return f"{got!r} != single-device {expected!r}", diff
+    return None
+
+
+def _spec_problem(x: Any) -> str | None:
+    """A DTensor whose local shape is not the one its global shape and placements imply."""
+    try:
+        expected, _ = compat.local_shape_and_offset(x.shape, x.device_mesh, x.placements)
+    except Exception as exc:  # noqa: BLE001 - an unreadable spec is the finding itself
+        return f"spec unreadable: {type(exc).__name__}: {exc}"
+    recorded = compat.spec_shape(x)
+    if recorded is not None and recorded != tuple(x.shape):
+        return f"spec records global shape {list(recorded)}, the tensor is {list(x.shape)}"
+    local = tuple(compat.local_tensor(x).shape)
+    if local != expected:
+        return f"global shape {list(x.shape)} {tuple(x.placements)} implies local {list(expected)}, local is {list(local)}"
+    return None
+
+
+def _written_args(op: Any) -> list[int]:
+    return [
+        i
+        for i, a in enumerate(op._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+class _Checker:
+    def __init__(self, atol: float, rtol: float, raise_on_mismatch: bool) -> None:
+        self.atol = atol
+        self.rtol = rtol
+        self.raise_on_mismatch = raise_on_mismatch
+        self.report = VerifyReport()
+
+    def _path(self, op: Any, decisions: list[tuple[Any, Any]]) -> tuple[str, str | None]:
+        for seen, key in decisions:
+            if seen is not op:
+                continue
+            if key == compat.FALLBACK_DECISION:
+                return "fallback", None
+            owner = compat.entry_owner(compat.miss_rules_table(), key)
+            if owner is not None:
+                return "patched", owner.name
+        for table in compat.table_names():
+            if table == compat.miss_rules_table():
+                continue
+            owner = compat.entry_owner(table, op)
+            if owner is not None:
+                return "patched", owner.name
+        return "native", None
+
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = str(func)
+        phase = "backward" if compat.current_autograd_node() is not None else "forward"
+        self.report.calls[name] += 1
+        dtensor = compat.dtensor_class()
+        flat_in = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, dtensor)]
+        inputs = tuple(
+            _describe(x)
+            for x in pytree.tree_leaves((args, kwargs))
+            if isinstance(x, (torch.Tensor, dtensor))
+        )
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        reference: tuple[Any, Any] | None = None
+        if random:
+            self.report.unchecked[f"random: {name}"] += 1
+        else:
+            reference = pytree.tree_map(
+                lambda x: (
+                    compat.full_value(x)
+                    if isinstance(x, dtensor)
+                    else (x.clone() if isinstance(x, torch.Tensor) else x)
+                ),
+                (args, kwargs),
+            )
+        with compat.watch_decisions() as decisions:
+            out = func(*args, **kwargs)
+        path, patch = self._path(func, decisions)
+        if path == "patched":
+            self.report.patched[patch or "?"] += 1
+        elif path == "fallback":
+            self.report.fallback[name] += 1
+        else:
+            self.report.native += 1
+        if reference is None:
+            return out
+        where = f"patched: {patch}" if patch else path
+        outputs = tuple(_describe(x) for x in pytree.tree_leaves(out))
+        problem = self._check(func, name, args, out, reference, flat_in)
+        if problem is not None:
+            text, diff = problem
+            mismatch = Mismatch(name, phase, where, text, diff, inputs, outputs, _source(phase))
+            self.report.mismatches.append(mismatch)
+            if self.raise_on_mismatch:
+                raise VerifyError(mismatch)
+        return out
+
+    def _check(
+        self,
+        func: Any,
+        name: str,
+        args: tuple[Any, ...],
+        out: Any,
+        reference: tuple[Any, Any],
+        flat_in: list[Any],
+    ) -> tuple[str, float | None] | None:
+        dtensor = compat.dtensor_class()
+        for i, x in enumerate(flat_in):
+            problem = _spec_problem(x)
+            if problem is not None:
+                return f"input {i} spec corrupted: {problem}", None
+        for i, x in enumerate(o for o in pytree.tree_leaves(out) if isinstance(o, dtensor)):
+            problem = _spec_problem(x)
+            if problem is not None:
+                return f"output {i}: {problem}", None
+        full_args, full_kwargs = reference
+        try:
+            expected = func(*full_args, **full_kwargs)
+        except Exception as exc:  # noqa: BLE001 - the op cannot run on plain tensors: unchecked
+            self.report.unchecked[f"reference raised {type(exc).__name__}: {name}"] += 1
+            return None
+        if func.__name__.split(".")[0] in _UNINITIALISED:
+            got_leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+            want = [e for e in pytree.tree_leaves(expected) if isinstance(e, torch.Tensor)]
+            for g, e in zip(got_leaves, want, strict=False):
+                if tuple(g.shape) != tuple(e.shape) or g.dtype != e.dtype:
+                    return (
+                        f"shape/dtype {list(g.shape)} {g.dtype} != single-device {list(e.shape)} {e.dtype}",
+                        None,
+                    )
+            self.report.unchecked[f"uninitialised: {name}"] += 1
+            return None
+        written = _written_args(func)
+        for i in written:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                problem = _compare(args[i], full_args[i], self.atol, self.rtol)
+                if problem is not None:
+                    return (f"written argument {i}: {problem[0]}", problem[1])
+        got_leaves = pytree.tree_leaves(out)
+        want_leaves = pytree.tree_leaves(expected)
+        if len(got_leaves) != len(want_leaves):
+            return f"{len(got_leaves)} outputs != single-device {len(want_leaves)}", None
+        for i, (g, e) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+            problem = _compare(g, e, self.atol, self.rtol)
+            if problem is not None:
+                label = f"output {i}: " if len(got_leaves) > 1 else ""
+                return label + problem[0], problem[1]
+        return None
+
+
+@functools.cache
+def _mode_class() -> type:
+    base = compat.dispatch_mode_base()
+
+    class VerifyMode(base):  # type: ignore[misc, valid-type]
+        """Runs every DTensor call through a :class:`_Checker`; other calls pass through."""
+
+        def __init__(self, checker: _Checker) -> None:
+            super().__init__()
+            self.checker = checker
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            dtensor = compat.dtensor_class()
+            if not any(isinstance(x, dtensor) for x in pytree.tree_leaves((args, kwargs))):
+                return func(*args, **kwargs)
+            return self.checker.call(func, args, kwargs)
+
+    return VerifyMode
+
+
+@contextmanager
+def verify(
+    *,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    raise_on_mismatch: bool = True,
+    trace_backward: bool = True,
+) -> Iterator[VerifyReport]:
+    """Check every DTensor op that runs inside the block against the same op on full tensors.
+
+    Run it collectively (every rank enters the block and runs the same calls): inputs are
+    gathered with collectives. Use it for a few steps of debugging; it gathers everything.
+
+    Args:
+        atol, rtol: tolerance for floating results (``torch.allclose``); integer, bool and
+            index results must match exactly.
+        raise_on_mismatch: raise :class:`VerifyError` at the first mismatch (inside the call,
+            so the traceback points at it); ``False`` collects every mismatch in the report.
+        trace_backward: record forward stack traces (autograd anomaly mode, NaN checks off)
+            so that a mismatch in a backward op names the forward line that caused it.
+
+    Yields:
+        A :class:`VerifyReport`, filled while the block runs.
+
+    Raises:
+        VerifyError: a DTensor call's result differs (``raise_on_mismatch=True``).
+        PatchError: an internal this tool needs moved in this torch release.
+
+    Example::
+
+        with dtensor_patches.verify(atol=1e-5) as report:
+            loss = model(batch).sum()
+            loss.backward()
+        print(report)
+    """
+    checker = _Checker(atol, rtol, raise_on_mismatch)
+    mode = _mode_class()(checker)
+    anomaly = (
+        torch.autograd.set_detect_anomaly(True, check_nan=False) if trace_backward else _nothing()
+    )
+    with anomaly, mode:
+        yield checker.report
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
