@@ -14,6 +14,8 @@ installed torch no longer has a bug a patch is gated for.
 from __future__ import annotations
 
 from dtensor_patches.errors import LostWriteError, PatchError
+from dtensor_patches.fallback import FALLBACK_ENV, FallbackRecord, fallback_report
+from dtensor_patches.mixed import gathered_locally
 from dtensor_patches.patch import Handler, Patch, Strategy
 from dtensor_patches.registry import (
     DISABLE_ENV,
@@ -30,6 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DISABLE_ENV",
+    "FALLBACK_ENV",
+    "FallbackRecord",
     "Handler",
     "LostWriteError",
     "Outcome",
@@ -41,6 +45,8 @@ __all__ = [
     "__version__",
     "all_patches",
     "apply_all",
+    "fallback_report",
+    "gathered_locally",
     "get",
     "patched",
     "plan",

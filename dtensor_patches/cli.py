@@ -44,6 +44,12 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> No
 def _cmd_list(args: argparse.Namespace) -> int:
     rows = _patch_rows()
     if args.json:
+        from dtensor_patches.tripwire import run_fallback_alone
+
+        # Whether the fallback alone (no patch) makes each reproducer correct (issue 10).
+        alone = run_fallback_alone()
+        for row in rows:
+            row["fallback_alone"] = {"correct": alone[row["name"]] is None, "result": alone[row["name"]]}  # type: ignore[index]
         print(json.dumps({"torch_version": _torch_version(), "patches": rows}, indent=2))
         return 0
     print(f"torch {_torch_version()}")

@@ -9,6 +9,11 @@ gloo mesh:
    present -> **gate too narrow**;
 3. where the gate includes this torch, apply the patch alone and run the reproducer again: it
    must now match the single-device result -> otherwise **ineffective**. Then revert.
+
+All of that runs with the fallback (:mod:`dtensor_patches.fallback`) off, so a patch is never
+called needed or fixed because of it. Then, for information, the reproducer runs once more
+with only the fallback on (no patch): ``fallback_alone`` says whether the fallback by itself
+would have given the single-device result.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
-__all__ = ["TripwireResult", "Verdict", "judge", "run_tripwires"]
+__all__ = ["TripwireResult", "Verdict", "judge", "run_fallback_alone", "run_tripwires"]
 
 
 class Verdict(str, enum.Enum):
@@ -38,6 +44,9 @@ class TripwireResult:
     ``bug``: what the reproducer reported on stock torch (``None``: correct result).
     ``after_patch``: what it reported with the patch applied (``None``: fixed; not run when
     the gate excludes this torch).
+    ``fallback_alone``: what it reported on stock torch with only the fallback on (``None``:
+    the fallback alone gives the single-device result); informational, never part of the
+    verdict.
     """
 
     patch: str
@@ -48,6 +57,7 @@ class TripwireResult:
     after_patch: str | None
     verdict: Verdict
     message: str
+    fallback_alone: str | None = "not run"
 
     @property
     def passed(self) -> bool:
@@ -95,40 +105,53 @@ def _on_rank(names: Sequence[str], gates: Mapping[str, str]) -> list[dict[str, o
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dtensor_patches import compat, registry
+    from dtensor_patches import compat, fallback, registry
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     version = str(compat.torch_version())
-    out = []
-    for name in names:
-        patch = registry.get(name)
-        if name in gates:
-            patch = patch.with_gate(gates[name])
-        in_gate = patch.applies_to()
-        bug = _gather(patch.reproduce(mesh))
-        after_patch = None
-        if in_gate:
-            patch.apply()
-            try:
-                after_patch = _gather(patch.reproduce(mesh))
-            finally:
-                patch.revert()
-        verdict, message = judge(
-            patch=name, torch_version=version, in_gate=in_gate, bug=bug, after_patch=after_patch
-        )
-        out.append(
-            TripwireResult(
-                patch=name,
-                torch_version=version,
-                gate=str(patch.gate),
-                in_gate=in_gate,
-                bug=bug,
-                after_patch=after_patch,
-                verdict=verdict,
-                message=message,
-            ).to_dict()
-        )
-    return out
+    with fallback.disabled():
+        return [_judge_on_rank(registry.get(name), name, gates, mesh, version) for name in names]
+
+
+def _fallback_alone(patch: Any, mesh: Any) -> str | None:
+    """The reproducer on stock torch with only the fallback on (then off again)."""
+    from dtensor_patches import fallback
+
+    fallback.install("warn")
+    try:
+        return _gather(patch.reproduce(mesh))
+    finally:
+        fallback.uninstall()
+
+
+def _judge_on_rank(
+    patch: Any, name: str, gates: Mapping[str, str], mesh: Any, version: str
+) -> dict[str, object]:
+    if name in gates:
+        patch = patch.with_gate(gates[name])
+    in_gate = patch.applies_to()
+    bug = _gather(patch.reproduce(mesh))
+    after_patch = None
+    if in_gate:
+        patch.apply()
+        try:
+            after_patch = _gather(patch.reproduce(mesh))
+        finally:
+            patch.revert()
+    verdict, message = judge(
+        patch=name, torch_version=version, in_gate=in_gate, bug=bug, after_patch=after_patch
+    )
+    return TripwireResult(
+        patch=name,
+        torch_version=version,
+        gate=str(patch.gate),
+        in_gate=in_gate,
+        bug=bug,
+        after_patch=after_patch,
+        verdict=verdict,
+        message=message,
+        fallback_alone=_fallback_alone(patch, mesh),
+    ).to_dict()
 
 
 def _gather(result: str | None) -> str | None:
@@ -179,3 +202,37 @@ def run_tripwires(
         TripwireResult(**{**row, "verdict": Verdict(row["verdict"])})  # type: ignore[arg-type]
         for row in per_rank[0]
     ]
+
+
+def _fallback_alone_on_rank(names: Sequence[str]) -> dict[str, str | None]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtensor_patches import fallback, registry
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with fallback.disabled():
+        return {name: _fallback_alone(registry.get(name), mesh) for name in names}
+
+
+def run_fallback_alone(
+    names: Sequence[str] | None = None, *, world_size: int = 2, timeout: float = 600.0
+) -> dict[str, str | None]:
+    """Each patch's reproducer on stock torch with only the fallback on, in fresh processes:
+    ``{name: None}`` where the fallback alone gives the single-device result, else what the
+    reproducer reported (a wrong value, or an error the fallback cannot reach).
+
+    Raises:
+        KeyError: an unknown patch name.
+        dtensor_patches.testing.RankError: a rank crashed.
+    """
+    from dtensor_patches import registry
+    from dtensor_patches.fallback import FALLBACK_ENV
+    from dtensor_patches.registry import DISABLE_ENV
+    from dtensor_patches.testing import RankPool
+
+    selected = [p.name for p in registry.all_patches()] if names is None else list(names)
+    for name in selected:
+        registry.get(name)
+    with RankPool(world_size, env={DISABLE_ENV: "", FALLBACK_ENV: ""}, timeout=timeout) as pool:
+        return pool.run(_fallback_alone_on_rank, selected)[0]
