@@ -49,7 +49,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
         # Whether the fallback alone (no patch) makes each reproducer correct (issue 10).
         alone = run_fallback_alone()
         for row in rows:
-            row["fallback_alone"] = {"correct": alone[row["name"]] is None, "result": alone[row["name"]]}  # type: ignore[index]
+            row["fallback_alone"] = {
+                "correct": alone[row["name"]] is None,
+                "result": alone[row["name"]],
+            }  # type: ignore[index]
         print(json.dumps({"torch_version": _torch_version(), "patches": rows}, indent=2))
         return 0
     print(f"torch {_torch_version()}")

@@ -131,7 +131,10 @@ def install(chosen: str) -> None:
     mixed.install()
     try:
         compat.set_call_fallback(run_fallback)
+        _install_handler_fallbacks()
     except BaseException:
+        compat.set_call_fallback(None)
+        compat.remove_owner(_HANDLER_OWNER)
         mixed.uninstall()
         raise
     _MODE[0] = chosen
@@ -143,10 +146,57 @@ def uninstall() -> None:
     from dtensor_patches import mixed
 
     compat.set_call_fallback(None)
+    compat.remove_owner(_HANDLER_OWNER)
     mixed.uninstall()
     if _MODE[0] != "off":
         compat.clear_sharding_caches()
     _MODE[0] = "off"
+
+
+class _HandlerOwner:
+    """Owner of the registry layers the fallback installs (``compat.install_owned``)."""
+
+    def __repr__(self) -> str:
+        return "dtensor_patches.fallback"
+
+
+_HANDLER_OWNER = _HandlerOwner()
+
+# Ops torch serves with a custom handler that refuses some calls itself (so the miss hook never
+# sees them): ``as_strided`` (2.10+: only the no-op case is allowed), reached from
+# ``fill_diagonal_``, ``diagonal_scatter`` decompositions, ``torch.as_strided``.
+_HANDLER_OPS = ("aten.as_strided.default",)
+
+
+def _handler_with_fallback(native: Any) -> Any:
+    def handler(op_call: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return native(op_call, args, kwargs)
+        except RuntimeError as exc:
+            if _MODE[0] == "off" or "not supported with DTensor" not in str(exc):
+                raise
+            return run_fallback(op_call, tuple(args), dict(kwargs), exc)
+
+    return handler
+
+
+def _install_handler_fallbacks() -> None:
+    if compat.is_applied(_HANDLER_OWNER):
+        return
+    changed = []
+    for name in _HANDLER_OPS:
+        op = compat.resolve_op(name)
+        native = compat.custom_op_handlers().get(op)
+        if native is None:
+            continue  # no handler: the miss hook reaches the op (2.9)
+        changed += compat.install_owned(
+            _HANDLER_OWNER,
+            [op],
+            lambda op=op, native=native: compat.register_custom_handler(
+                op, _handler_with_fallback(native)
+            ),
+        )
+    compat.mark_applied(_HANDLER_OWNER, changed)
 
 
 @contextlib.contextmanager

@@ -82,10 +82,9 @@ def grouped_by_kind(tensorlistlist: Any, with_indices: bool = False) -> Any:
             out[key] = (lists, indices)
             continue
         for n, (kind, positions) in enumerate(by_kind.values()):
-            sub_lists = [[lst[p] for p in positions] for lst in lists]
-            sub_indices = (
-                [indices[p] for p in positions] if len(indices) == len(first) else indices
-            )
+            # Empty lists (amsgrad's max_exp_avg_sqs when unused) stay empty.
+            sub_lists = [[lst[p] for p in positions] if lst else lst for lst in lists]
+            sub_indices = [indices[p] for p in positions] if len(indices) == len(first) else indices
             out[key if n == 0 else _KindKey(key, kind)] = (sub_lists, sub_indices)
     return out
 
@@ -205,9 +204,7 @@ def _no_grad(fn: Any) -> Any:
 
 
 class _GatherMode(torch.overrides.TorchFunctionMode):
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.utils._pytree import tree_map
 
         dtensor = _dtensor_class()
