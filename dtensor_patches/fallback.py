@@ -316,6 +316,20 @@ def _gather(value: Any) -> tuple[Any, int]:
     return full, moved
 
 
+def _scratch(original: Any, full: Any, targets: list[tuple[Any, torch.Tensor]]) -> Any:
+    """Copies of a written argument's full tensors (a tensor or a list of them) for the op to
+    write into; each DTensor among them is recorded in ``targets`` with its copy."""
+    dtensor = _dtensor_class()
+    if isinstance(full, (list, tuple)):
+        return type(full)(_scratch(o, f, targets) for o, f in zip(original, full, strict=True))
+    if not isinstance(full, torch.Tensor):
+        return full
+    copy = full.clone()
+    if isinstance(original, dtensor):
+        targets.append((original, copy))
+    return copy
+
+
 def _broadcast_from_origin(value: Any, mesh: Any) -> Any:
     """``value`` (a plain tensor) as computed on mesh coordinate (0, …, 0), on every rank."""
     import torch.distributed as dist
@@ -399,16 +413,12 @@ def run_fallback(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: 
                 name = bound_names[i]
                 if i < len(args):
                     original, full = args[i], full_args[i]
-                    copy = full.clone() if isinstance(full, torch.Tensor) else full
+                    copy = _scratch(original, full, targets)
                     full_args = (*full_args[:i], copy, *full_args[i + 1 :])
                 elif name in kwargs:
                     original, full = kwargs[name], full_kwargs[name]
-                    copy = full.clone() if isinstance(full, torch.Tensor) else full
+                    copy = _scratch(original, full, targets)
                     full_kwargs = {**full_kwargs, name: copy}
-                else:
-                    continue
-                if isinstance(original, dtensor):
-                    targets.append((original, copy))
         out = op(*full_args, **full_kwargs)
         if _is_random(op):
             out = tree_map(lambda v: _broadcast_from_origin(v, mesh), out)

@@ -11,9 +11,10 @@ gloo mesh:
    must now match the single-device result -> otherwise **ineffective**. Then revert.
 
 All of that runs with the fallback (:mod:`dtensor_patches.fallback`) off, so a patch is never
-called needed or fixed because of it. Then, for information, the reproducer runs once more
+called needed or fixed because of it. On request (``fallback_alone=True``, and
+:func:`run_fallback_alone` for ``dtensor-patches list --json``) the reproducer runs once more
 with only the fallback on (no patch): ``fallback_alone`` says whether the fallback by itself
-would have given the single-device result.
+would have given the single-device result (informational, never part of the verdict).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def _agree(results: Sequence[str | None]) -> str | None:
     return None
 
 
-def _on_rank(names: Sequence[str], gates: Mapping[str, str]) -> list[dict[str, object]]:
+def _on_rank(
+    names: Sequence[str], gates: Mapping[str, str], with_fallback_alone: bool = False
+) -> list[dict[str, object]]:
     # Runs on every rank of a RankPool; the reproducers are collective.
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -110,7 +113,10 @@ def _on_rank(names: Sequence[str], gates: Mapping[str, str]) -> list[dict[str, o
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     version = str(compat.torch_version())
     with fallback.disabled():
-        return [_judge_on_rank(registry.get(name), name, gates, mesh, version) for name in names]
+        return [
+            _judge_on_rank(registry.get(name), name, gates, mesh, version, with_fallback_alone)
+            for name in names
+        ]
 
 
 def _fallback_alone(patch: Any, mesh: Any) -> str | None:
@@ -125,7 +131,12 @@ def _fallback_alone(patch: Any, mesh: Any) -> str | None:
 
 
 def _judge_on_rank(
-    patch: Any, name: str, gates: Mapping[str, str], mesh: Any, version: str
+    patch: Any,
+    name: str,
+    gates: Mapping[str, str],
+    mesh: Any,
+    version: str,
+    with_fallback_alone: bool,
 ) -> dict[str, object]:
     if name in gates:
         patch = patch.with_gate(gates[name])
@@ -150,7 +161,7 @@ def _judge_on_rank(
         after_patch=after_patch,
         verdict=verdict,
         message=message,
-        fallback_alone=_fallback_alone(patch, mesh),
+        fallback_alone=_fallback_alone(patch, mesh) if with_fallback_alone else "not run",
     ).to_dict()
 
 
@@ -168,6 +179,7 @@ def run_tripwires(
     world_size: int = 2,
     gate_overrides: Mapping[str, str] | None = None,
     timeout: float = 600.0,
+    fallback_alone: bool = False,
 ) -> list[TripwireResult]:
     """Run the tripwires of ``names`` (default: every registered patch) in fresh processes.
 
@@ -177,6 +189,8 @@ def run_tripwires(
         gate_overrides: ``{name: specifier}`` to check a different gate than the registered
             one (how the tests prove a widened or narrowed gate trips).
         timeout: seconds for the whole run.
+        fallback_alone: also run each reproducer with only the fallback on
+            (``TripwireResult.fallback_alone``; otherwise ``"not run"``).
 
     Raises:
         KeyError: an unknown patch name.
@@ -197,7 +211,7 @@ def run_tripwires(
         registry.get(name)
     # The ranks apply patches one at a time themselves; the env switch must not hide any.
     with RankPool(world_size, env={DISABLE_ENV: ""}, timeout=timeout) as pool:
-        per_rank = pool.run(_on_rank, selected, gates)
+        per_rank = pool.run(_on_rank, selected, gates, fallback_alone)
     return [
         TripwireResult(**{**row, "verdict": Verdict(row["verdict"])})  # type: ignore[arg-type]
         for row in per_rank[0]
