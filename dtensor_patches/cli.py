@@ -46,9 +46,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         from dtensor_patches.tripwire import run_fallback_alone
 
-        # Whether the fallback alone (no patch) makes each reproducer correct (issue 10).
-        alone = run_fallback_alone()
-        for row in rows:
+        # Whether the fallback alone (no patch) makes each reproducer correct (issue 10):
+        # runs every reproducer on 2 ranks, so only on request.
+        alone = run_fallback_alone() if args.fallback_alone else {}
+        for row in rows if args.fallback_alone else ():
             row["fallback_alone"] = {
                 "correct": alone[row["name"]] is None,
                 "result": alone[row["name"]],
@@ -217,6 +218,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="patches, gates, upstream links, status on this torch")
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
+    p_list.add_argument(
+        "--fallback-alone",
+        action="store_true",
+        help="with --json: run each reproducer with only the fallback on (2 ranks) and say per "
+        "patch whether that alone is correct",
+    )
     p_list.set_defaults(func=_cmd_list)
     for name, func, helptext in (
         (

@@ -83,6 +83,13 @@ _OPS: dict[str, tuple[Callable[..., Any], tuple[int, ...], tuple[int, ...] | Non
     "cdist": (lambda x, y: torch.cdist(x, y), (5, 3), (4, 3), True),
     "aminmax": (lambda x, y: torch.aminmax(x, dim=1), (5, 4), None, False),
     "take": (lambda x, y: torch.take(x, (y.abs() * 7).long() % x.numel()), (5, 4), (6,), False),
+    # Optional (bias=None) and list arguments; no strategy for 5-D inputs on 2.9.
+    "conv3d_no_bias": (
+        lambda x, y: torch.nn.functional.conv3d(x, y, None, stride=[1, 1, 1]),
+        (3, 2, 3, 3, 3),
+        (2, 2, 2, 2, 2),
+        True,
+    ),
     "unbind_sharded": (lambda x, y: torch.stack(x.unbind(0)) * 2, (5, 4), None, True),
     "flatten_uneven": (lambda x, y: x.reshape(5, 2, 2).flatten(1, 2) + 1, (5, 4), None, True),
     "fill_diagonal": (lambda x, y: x.clone().fill_diagonal_(3.0), (5, 4), None, False),
