@@ -56,6 +56,7 @@ __all__ = [
     "reset_report",
     "resolve_mode",
     "run_fallback",
+    "run_gathered",
     "uninstall",
 ]
 
@@ -131,10 +132,7 @@ def install(chosen: str) -> None:
     mixed.install()
     try:
         compat.set_call_fallback(run_fallback)
-        _install_handler_fallbacks()
     except BaseException:
-        compat.set_call_fallback(None)
-        compat.remove_owner(_HANDLER_OWNER)
         mixed.uninstall()
         raise
     _MODE[0] = chosen
@@ -146,57 +144,10 @@ def uninstall() -> None:
     from dtensor_patches import mixed
 
     compat.set_call_fallback(None)
-    compat.remove_owner(_HANDLER_OWNER)
     mixed.uninstall()
     if _MODE[0] != "off":
         compat.clear_sharding_caches()
     _MODE[0] = "off"
-
-
-class _HandlerOwner:
-    """Owner of the registry layers the fallback installs (``compat.install_owned``)."""
-
-    def __repr__(self) -> str:
-        return "dtensor_patches.fallback"
-
-
-_HANDLER_OWNER = _HandlerOwner()
-
-# Ops torch serves with a custom handler that refuses some calls itself (so the miss hook never
-# sees them): ``as_strided`` (2.10+: only the no-op case is allowed), reached from
-# ``fill_diagonal_``, ``diagonal_scatter`` decompositions, ``torch.as_strided``.
-_HANDLER_OPS = ("aten.as_strided.default",)
-
-
-def _handler_with_fallback(native: Any) -> Any:
-    def handler(op_call: Any, args: Any, kwargs: Any) -> Any:
-        try:
-            return native(op_call, args, kwargs)
-        except RuntimeError as exc:
-            if _MODE[0] == "off" or "not supported with DTensor" not in str(exc):
-                raise
-            return run_fallback(op_call, tuple(args), dict(kwargs), exc)
-
-    return handler
-
-
-def _install_handler_fallbacks() -> None:
-    if compat.is_applied(_HANDLER_OWNER):
-        return
-    changed = []
-    for name in _HANDLER_OPS:
-        op = compat.resolve_op(name)
-        native = compat.custom_op_handlers().get(op)
-        if native is None:
-            continue  # no handler: the miss hook reaches the op (2.9)
-        changed += compat.install_owned(
-            _HANDLER_OWNER,
-            [op],
-            lambda op=op, native=native: compat.register_custom_handler(
-                op, _handler_with_fallback(native)
-            ),
-        )
-    compat.mark_applied(_HANDLER_OWNER, changed)
 
 
 @contextlib.contextmanager
@@ -387,6 +338,28 @@ def run_fallback(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: 
         ) from error
     if not leaves:
         raise error
+    return run_gathered(op, args, kwargs, _first_line(error), error=error)
+
+
+def run_gathered(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reason: str,
+    *,
+    error: BaseException | None = None,
+) -> Any:
+    """The fallback's computation, whatever the mode (patches that gather by nature use it):
+    gather, compute on full tensors, write back / describe the outputs; counted and logged
+    with ``reason``.
+
+    Raises:
+        PatchError: DTensor arguments on different meshes.
+        Exception: whatever the op raises on the full plain tensors; nothing is written then.
+    """
+    dtensor = _dtensor_class()
+    leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, dtensor)]
+    placements = _placements_text(leaves)
     mesh = leaves[0].device_mesh
     if any(leaf.device_mesh != mesh for leaf in leaves):
         raise PatchError(
@@ -424,7 +397,7 @@ def run_fallback(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: 
             out = tree_map(lambda v: _broadcast_from_origin(v, mesh), out)
             for n, (target, copy) in enumerate(targets):
                 targets[n] = (target, _broadcast_from_origin(copy, mesh))
-        _record(op, placements, moved, _first_line(error))
+        _record(op, placements, moved, reason)
         if targets:
             from dtensor_patches.handlers import shard_of
 

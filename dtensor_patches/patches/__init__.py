@@ -8,6 +8,7 @@ from dtensor_patches.patches import (
     activations,
     alias,
     argmax_all,
+    as_strided,
     count_nonzero,
     cumsum_inplace,
     cumsum_negative_dim,
@@ -82,6 +83,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     mv.PATCH,
     elementwise_losses.PATCH,
     nll_loss.PATCH,
+    as_strided.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]
