@@ -38,6 +38,10 @@ def _handler(native: Any) -> Any:
     from dtensor_patches import fallback
 
     def handler(op_call: Any, args: Any, kwargs: Any) -> Any:
+        source = args[0]
+        if _is_noop(source, args, kwargs):
+            return torch.ops.aten.alias.default(source)
+        _refuse_views(source)
         if native is not None:
             try:
                 return native(op_call, args, kwargs)
@@ -48,6 +52,28 @@ def _handler(native: Any) -> Any:
         return fallback.run_gathered(op_call, tuple(args), dict(kwargs), "no strategy")
 
     return handler
+
+
+def _is_noop(source: Any, args: Any, kwargs: Any) -> bool:
+    bound = compat.op_arguments(compat.resolve_op(OP), tuple(args), dict(kwargs))
+    offset = bound.get("storage_offset")
+    return (
+        tuple(source.size()) == tuple(bound["size"])
+        and tuple(source.stride()) == tuple(bound["stride"])
+        and (offset is None or source.storage_offset() == offset)
+    )
+
+
+def _refuse_views(source: Any) -> None:
+    """``as_strided`` addresses its input's storage; for a view that is the base's storage,
+    which the gathered copy of the view does not hold: refuse instead of a wrong value."""
+    if source._is_view() or source.storage_offset() != 0 or not source.is_contiguous():
+        raise RuntimeError(
+            "as_strided of a view (or non-contiguous) DTensor: its strides and offset address "
+            "the base tensor's storage, which a gathered copy of the view does not have, so "
+            "no correct result exists here. Call it on x.contiguous() (a fresh tensor) or on "
+            "the base."
+        )
 
 
 def _first(exc: BaseException) -> str:
