@@ -401,6 +401,15 @@ def run_gathered(
         if targets:
             from dtensor_patches.handlers import shard_of
 
+            for target, copy in targets:
+                if tuple(copy.shape) != tuple(target.shape):
+                    # resize_ and friends: a DTensor's global shape cannot change in place.
+                    raise PatchError(
+                        f"{op} changes the shape of the DTensor it writes in place "
+                        f"({list(target.shape)} -> {list(copy.shape)}): a DTensor's shape "
+                        "cannot change in place; use the out-of-place op"
+                    ) from error
+
             shards = [
                 (target, shard_of(copy, target.device_mesh, target.placements))
                 for target, copy in targets
