@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from dtensor_patches.errors import LostWriteError, PatchError
 
 if TYPE_CHECKING:
+    from dtensor_patches.fallback import FALLBACK_ENV, FallbackRecord, fallback_report
+    from dtensor_patches.mixed import gathered_locally
     from dtensor_patches.patch import Handler, Patch, Strategy
     from dtensor_patches.registry import (
         DISABLE_ENV,
@@ -55,6 +57,10 @@ _LAZY = {
     "Report": "dtensor_patches.report",
     "Status": "dtensor_patches.report",
     "scan": "dtensor_patches.scan",
+    "FALLBACK_ENV": "dtensor_patches.fallback",
+    "FallbackRecord": "dtensor_patches.fallback",
+    "fallback_report": "dtensor_patches.fallback",
+    "gathered_locally": "dtensor_patches.mixed",
     "PatchState": "dtensor_patches.status",
     "RegistryStatus": "dtensor_patches.status",
     "status": "dtensor_patches.status",
@@ -66,6 +72,8 @@ _LAZY = {
 
 __all__ = [
     "DISABLE_ENV",
+    "FALLBACK_ENV",
+    "FallbackRecord",
     "Handler",
     "LostWriteError",
     "Mismatch",
@@ -82,6 +90,8 @@ __all__ = [
     "__version__",
     "all_patches",
     "apply_all",
+    "fallback_report",
+    "gathered_locally",
     "get",
     "patched",
     "plan",

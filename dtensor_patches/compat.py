@@ -37,6 +37,7 @@ __all__ = [
     "FALLBACK_DECISION",
     "LOSS_PARALLEL_HANDLERS",
     "LOSS_PARALLEL_MODULE",
+    "MODULE_FUNCTION_SITES",
     "PARALLEL_STYLE_MODULE",
     "REGISTRY_TABLES",
     "CallFallback",
@@ -72,6 +73,8 @@ __all__ = [
     "mark_applied",
     "miss_hook_installed",
     "miss_rules_table",
+    "module_function",
+    "module_functions_replaced",
     "native_registry",
     "op_arguments",
     "out_variant",
@@ -84,7 +87,9 @@ __all__ = [
     "registry_state",
     "remove_miss_hook_if_unused",
     "remove_owner",
+    "replace_module_functions",
     "resolve_op",
+    "restore_module_functions",
     "set_call_fallback",
     "set_placements",
     "sharding_propagator",
@@ -1279,3 +1284,86 @@ def loss_parallel_internals() -> SimpleNamespace:
         ops=_attr(loss, "customized_loss_ops", prefix + "customized_loss_ops"),
         disable=_attr(loss, "_disable_custom_loss_ops", prefix + "_disable_custom_loss_ops"),
     )
+
+
+# --- Module functions replaced by the fallback's mixed-kind fixes --------------------------
+#
+# torch.optim and torch.nn.utils.clip_grad group tensors with the private
+# ``torch.utils._foreach_utils._group_tensors_by_device_and_dtype`` (imported by name into each
+# module, so each module's global is replaced); clip_grad_norm_ calls the module globals
+# ``_get_total_norm`` and ``_clip_grads_with_norm_``. Same names 2.9 to 2.15.
+
+MODULE_FUNCTION_SITES: dict[str, tuple[str, ...]] = {
+    "_group_tensors_by_device_and_dtype": (
+        "torch.utils._foreach_utils",
+        "torch.optim.optimizer",
+        "torch.nn.utils.clip_grad",
+    ),
+    "_get_total_norm": ("torch.nn.utils.clip_grad",),
+    "get_total_norm": ("torch.nn.utils",),
+    "_clip_grads_with_norm_": ("torch.nn.utils.clip_grad",),
+    "clip_grads_with_norm_": ("torch.nn.utils",),
+}
+_MODULE_ORIGINALS: dict[tuple[str, str], Any] = {}
+
+
+def module_function(name: str) -> Callable[..., Any]:
+    """torch's own ``name`` (one of :data:`MODULE_FUNCTION_SITES`), as its first site holds
+    it before any replacement.
+
+    Raises:
+        PatchError: a site module or the function moved.
+    """
+    import importlib
+
+    site = MODULE_FUNCTION_SITES[name][0]
+    if (site, name) in _MODULE_ORIGINALS:
+        return _MODULE_ORIGINALS[(site, name)]
+    try:
+        module = importlib.import_module(site)
+    except ImportError as exc:
+        raise PatchError(f"torch {torch.__version__} has no {site}", internal=site) from exc
+    return _attr(module, name, f"{site}.{name}")
+
+
+def replace_module_functions(replacements: dict[str, Callable[..., Any]]) -> None:
+    """Set every site's global ``name`` to ``replacements[name]`` (idempotent); all or nothing.
+
+    Raises:
+        PatchError: a site module or function moved (nothing is replaced then).
+    """
+    import importlib
+
+    planned = []
+    for name, value in replacements.items():
+        original = module_function(name)
+        for site in MODULE_FUNCTION_SITES[name]:
+            try:
+                module = importlib.import_module(site)
+            except ImportError as exc:
+                raise PatchError(f"torch {torch.__version__} has no {site}", internal=site) from exc
+            current = _attr(module, name, f"{site}.{name}")
+            if (site, name) not in _MODULE_ORIGINALS and current is not original:
+                raise PatchError(
+                    f"{site}.{name} is not torch's {MODULE_FUNCTION_SITES[name][0]}.{name} "
+                    "(someone else replaced it); not touching it",
+                    internal=f"{site}.{name}",
+                )
+            planned.append((module, site, name, current, value))
+    for module, site, name, current, value in planned:
+        _MODULE_ORIGINALS.setdefault((site, name), current)
+        setattr(module, name, value)
+
+
+def restore_module_functions() -> None:
+    """Put back every function :func:`replace_module_functions` replaced."""
+    import importlib
+
+    for (site, name), original in list(_MODULE_ORIGINALS.items()):
+        setattr(importlib.import_module(site), name, original)
+        del _MODULE_ORIGINALS[(site, name)]
+
+
+def module_functions_replaced() -> bool:
+    """Whether :func:`replace_module_functions` replaced anything that is still in place."""
+    return bool(_MODULE_ORIGINALS)

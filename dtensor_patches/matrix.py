@@ -46,13 +46,15 @@ def _collect_on_rank() -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dtensor_patches import compat, patched, registry
+    from dtensor_patches import compat, fallback, patched, registry
     from dtensor_patches.tripwire import _gather
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rows = []
-    stock = {p.name: _gather(p.reproduce(mesh)) for p in registry.all_patches()}
-    with patched() as report:
+    # Judged with the fallback off: a patch is never counted fixed because of it.
+    with fallback.disabled():
+        stock = {p.name: _gather(p.reproduce(mesh)) for p in registry.all_patches()}
+    with patched(fallback="off") as report, fallback.disabled():
         for patch in registry.all_patches():
             rows.append(
                 {

@@ -8,6 +8,7 @@ import os
 from collections.abc import Collection, Iterator
 
 from dtensor_patches import compat
+from dtensor_patches import fallback as _fallback
 from dtensor_patches._text import format_gate
 from dtensor_patches.errors import PatchError
 from dtensor_patches.patch import REGISTRY_LOCK, Patch
@@ -130,6 +131,7 @@ def apply_all(
     only: Collection[str] | None = None,
     exclude: Collection[str] = (),
     strict: bool = False,
+    fallback: str | None = None,
 ) -> Report:
     """Apply every registered patch whose gate includes the running torch.
 
@@ -142,15 +144,23 @@ def apply_all(
         only: apply only these patch names.
         exclude: never apply these patch names.
         strict: raise on any failure; the patches this call applied are then reverted too.
+        fallback: what a DTensor call that torch still refuses does (see
+            :mod:`dtensor_patches.fallback`): ``"warn"`` (the default: it runs on gathered
+            inputs, logged once per op and placements, counted in
+            ``dtensor_patches.fallback_report()``), ``"error"`` (a ``PatchError`` naming the op
+            and the placements) or ``"off"`` (torch's own error).
+            ``DTENSOR_PATCHES_FALLBACK`` overrides it.
 
     Returns:
         A :class:`~dtensor_patches.report.Report` with one outcome per registered patch.
 
     Raises:
-        ValueError: ``only``/``exclude``/``DTENSOR_PATCHES_DISABLE`` name unknown patches.
+        ValueError: ``only``/``exclude``/``DTENSOR_PATCHES_DISABLE`` name unknown patches, or
+            an unknown fallback mode.
         PatchError: ``strict=True`` and a patch failed.
     """
     _validate_selection(only, exclude)
+    fallback_mode = _fallback.resolve_mode(fallback)
     with REGISTRY_LOCK:
         disabled = _disabled_by_env()
         outcomes: list[Outcome] = []
@@ -169,6 +179,12 @@ def apply_all(
                 decided = Outcome(patch.name, Status.FAILED, str(exc))
             outcomes.append(decided)
         report = Report(str(compat.torch_version()), tuple(outcomes))
+        fallback_error = _install_fallback(fallback_mode)
+        if strict and fallback_error is not None:
+            for patch in reversed(newly_applied):
+                patch.revert()
+                _applied_order.remove(patch)
+            raise PatchError(f"strict apply_all failed, nothing applied: {fallback_error}")
         if strict and report.failed:
             for patch in reversed(newly_applied):
                 patch.revert()
@@ -181,13 +197,24 @@ def apply_all(
         return report
 
 
+def _install_fallback(mode: str) -> str | None:
+    """Install the fallback in ``mode``; the error text when an internal it needs moved."""
+    try:
+        _fallback.install(mode)
+    except PatchError as exc:
+        log.error("dtensor_patches: the fallback failed to install: %s", exc)
+        return f"fallback: {exc}"
+    return None
+
+
 def revert_all() -> list[str]:
     """Revert every patch applied through :func:`apply_all`, newest first.
 
-    Restores the exact registry entries that existed before and clears the propagation
-    caches. Returns the names reverted.
+    Restores the exact registry entries that existed before, switches the fallback off and
+    clears the propagation caches. Returns the names reverted.
     """
     with REGISTRY_LOCK:
+        _fallback.uninstall()
         reverted = []
         while _applied_order:
             patch = _applied_order.pop()
@@ -202,16 +229,20 @@ def patched(
     only: Collection[str] | None = None,
     exclude: Collection[str] = (),
     strict: bool = False,
+    fallback: str | None = None,
 ) -> Iterator[Report]:
     """Apply patches for the duration of a ``with`` block, then restore the previous state.
 
     Only the patches this block applied are reverted on exit; ones applied before it stay.
+    The fallback mode before the block is restored too.
     """
-    report = apply_all(only=only, exclude=exclude, strict=strict)
+    mode_before = _fallback.mode()
+    report = apply_all(only=only, exclude=exclude, strict=strict, fallback=fallback)
     try:
         yield report
     finally:
         with REGISTRY_LOCK:
+            _fallback.install(mode_before)
             for name in reversed(report.applied):
                 patch = get(name)
                 patch.revert()

@@ -8,6 +8,7 @@ from dtensor_patches.patches import (
     activations,
     alias,
     argmax_all,
+    as_strided,
     count_nonzero,
     cumsum_inplace,
     cumsum_negative_dim,
@@ -94,6 +95,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     loss_parallel_backward.PATCH,
     loss_parallel_keeps_patches.PATCH,
     tp_tied_weights.PATCH,
+    as_strided.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]

@@ -1,0 +1,192 @@
+"""What each patch saves over the fallback: bytes moved and time, on the same input, one run.
+
+For every patch that applies to the running torch, its reproducer's first case runs on a 2-rank
+CPU gloo mesh two ways, interleaved (strategy, fallback, strategy, …), repeated to a median:
+
+- **patch**: the patch applied alone, the fallback off;
+- **fallback**: the patch not applied, and every call of the patch's ops sent through the
+  fallback (gather inputs, compute on full tensors), as it would run if no patch existed and
+  torch refused the call.
+
+Bytes are what the collectives issued in the call move into one rank (all_gather: the other
+ranks' shards; all_reduce / reduce_scatter: the tensor; all_to_all: the input), counted by a
+dispatch mode over ``_c10d_functional`` ops. ``fallback alone`` says whether stock torch with
+only the fallback on (the patch not applied, nothing forced) gives the single-device result:
+where it does, the patch adds only speed.
+
+    python benchmarks/fallback_costs.py --json docs/benchmarks/fallback_costs-<torch>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Bytes(TorchDispatchMode):
+    """Sums the bytes the functional collectives of a call bring into this rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        namespace = getattr(func, "namespace", "")
+        if namespace in ("_c10d_functional", "c10d_functional") and args:
+            t = args[0]
+            name = func.__name__
+            if isinstance(t, torch.Tensor) and "wait" not in name:
+                size = t.numel() * t.element_size()
+                if "all_gather" in name:
+                    n = int(args[1]) if len(args) > 1 and isinstance(args[1], int) else 2
+                    self.bytes += size * (n - 1)
+                else:
+                    self.bytes += size
+        return out
+
+
+def _forced_fallback(ops: set[Any]) -> Any:
+    from dtensor_patches import fallback
+
+    def rule(schema: Any, native: Any) -> Any:
+        if schema.op not in ops:
+            return None
+
+        def run(op_call: Any, args: Any, kwargs: Any) -> Any:
+            return fallback.run_fallback(op_call, args, kwargs, RuntimeError("forced"))
+
+        return run
+
+    return rule
+
+
+def _time(fn: Any) -> tuple[float, int]:
+    mode = _Bytes()
+    start = time.perf_counter()
+    with mode:
+        fn()
+    return time.perf_counter() - start, mode.bytes
+
+
+def _on_rank(repeats: int) -> list[dict[str, Any]]:
+    import importlib
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtensor_patches import compat, fallback, registry
+    from dtensor_patches._repro import _to_dtensor, run_case
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rows = []
+    owner = object()
+    for patch in registry.all_patches():
+        if not patch.applies_to():
+            continue
+        module = importlib.import_module(f"dtensor_patches.patches.{patch.name}")
+        cases = getattr(module, "CASES", None)
+        if not cases:
+            continue
+        case = cases[0]
+        inputs = [
+            _to_dtensor(x, mesh, p) if p is not None else x
+            for x, p in zip(case.inputs(), case.placements, strict=True)
+        ]
+
+        def call(case: Any = case, inputs: Any = inputs) -> None:
+            args = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+            case.fn(*args)
+
+        fallback.install("warn")
+        alone = run_case(mesh, case)
+        fallback.uninstall()
+        ops = {compat.resolve_op(name) for name in patch.ops}
+        samples: dict[str, list[float]] = {"patch": [], "fallback": []}
+        moved: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        for _ in range(repeats):
+            for way in ("patch", "fallback"):
+                if way == "patch":
+                    patch.apply()
+                else:
+                    fallback.install("warn")
+                    compat.install_owned(
+                        owner,
+                        [compat.ANY_OP],
+                        lambda ops=ops: compat.register_miss_rule(
+                            compat.ANY_OP, _forced_fallback(ops)
+                        ),
+                    )
+                    compat.clear_sharding_caches()
+                try:
+                    call()  # warm: propagation caches, first-call logging
+                    seconds, n = _time(call)
+                    samples[way].append(seconds)
+                    moved[way] = n
+                except Exception as exc:  # noqa: BLE001 - reported per row, the run goes on
+                    errors[way] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                finally:
+                    if way == "patch":
+                        patch.revert()
+                    else:
+                        compat.remove_owner(owner)
+                        fallback.uninstall()
+        rows.append(
+            {
+                "patch": patch.name,
+                "case": case.label,
+                "patch_s": statistics.median(samples["patch"]) if samples["patch"] else None,
+                "fallback_s": (
+                    statistics.median(samples["fallback"]) if samples["fallback"] else None
+                ),
+                "patch_bytes": moved.get("patch"),
+                "fallback_bytes": moved.get("fallback"),
+                "fallback_alone": alone,
+                "errors": errors,
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    from dtensor_patches.testing import RankPool
+
+    with RankPool(2, timeout=1200) as pool:
+        rows = pool.run(_on_rank, args.repeats)[0]
+    print(f"torch {torch.__version__}: patch vs fallback, 2 ranks, median of {args.repeats}")
+    print(
+        f"{'patch':22} {'case':40} {'patch ms':>9} {'fb ms':>9} {'patch B':>8} {'fb B':>8}  alone"
+    )
+    for r in rows:
+        ms = [
+            f"{v * 1e3:9.2f}" if v is not None else f"{'-':>9}"
+            for v in (r["patch_s"], r["fallback_s"])
+        ]
+        by = [
+            f"{v:8d}" if v is not None else f"{'-':>8}"
+            for v in (r["patch_bytes"], r["fallback_bytes"])
+        ]
+        alone = "correct" if r["fallback_alone"] is None else "not enough"
+        print(f"{r['patch']:22} {r['case'][:40]:40} {ms[0]} {ms[1]} {by[0]} {by[1]}  {alone}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"torch": torch.__version__, "repeats": args.repeats, "rows": rows}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

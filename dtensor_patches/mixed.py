@@ -1,0 +1,238 @@
+"""Lists that mix plain tensors and DTensors (or DTensors on several meshes), where the meaning
+is certain: optimizers' ``foreach`` steps and gradient-norm clipping.
+
+DTensor refuses ``_foreach_*`` calls over such lists (``got mixed torch.Tensor and DTensor``)
+before sharding propagation, so the fallback's miss hook never sees them. They come from one
+place: ``torch.optim`` and ``torch.nn.utils.clip_grad`` group tensors with
+``_group_tensors_by_device_and_dtype``, which puts a DTensor and a plain tensor of one device
+and dtype into one list (an optimizer over FSDP2 ``ignored_params`` with ``foreach=True``).
+:func:`grouped_by_kind` keeps torch's grouping and splits a group only where it mixes kinds,
+so each ``_foreach_*`` call sees one kind: the fix sits at the source, with no handler on the
+``_foreach_*`` ops (the optimizer's hot path), and costs one ``type()`` look per tensor per
+grouping.
+
+``clip_grad_norm_`` / ``get_total_norm`` over such lists compute the true global norm: one
+norm per kind (a DTensor group's norm is reduced over its mesh), combined exactly as torch
+combines per-tensor norms (``vector_norm`` of the stacked norms). The result is a plain tensor,
+the same on every rank; the clipping coefficient is applied to each kind as that kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dtensor_patches import compat
+
+__all__ = ["clip_grads_with_norm", "grouped_by_kind", "install", "total_norm", "uninstall"]
+
+
+def _dtensor_class() -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+class _KindKey(tuple):  # type: ignore[type-arg]
+    """A ``(device, dtype)`` group key that also tells groups of other kinds apart (it unpacks
+    to ``(device, dtype)`` as torch's callers expect)."""
+
+    kind: Any
+
+    def __new__(cls, key: tuple[Any, Any], kind: Any) -> _KindKey:
+        self = super().__new__(cls, key)
+        self.kind = kind
+        return self
+
+    def __hash__(self) -> int:
+        return hash((tuple(self), id(self.kind)))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _KindKey) and tuple(self) == tuple(other) and self.kind is other.kind
+        )
+
+
+def _kind(tensor: Any, dtensor: Any) -> Any:
+    """``None`` for a plain tensor, the mesh for a DTensor."""
+    return tensor.device_mesh if isinstance(tensor, dtensor) else None
+
+
+def grouped_by_kind(tensorlistlist: Any, with_indices: bool = False) -> Any:
+    """torch's ``_group_tensors_by_device_and_dtype``, with each group split by kind (plain
+    tensors; DTensors per mesh) where it mixes them. Unmixed groups are returned as torch made
+    them."""
+    original = compat.module_function("_group_tensors_by_device_and_dtype")
+    grouped = original(tensorlistlist, with_indices)
+    dtensor = _dtensor_class()
+    out: dict[Any, Any] = {}
+    for key, (lists, indices) in grouped.items():
+        first = lists[0]
+        types = {type(t) for t in first}
+        if len(types) == 1 and not issubclass(next(iter(types)), dtensor):
+            out[key] = (lists, indices)
+            continue
+        by_kind: dict[int, tuple[Any, list[int]]] = {}
+        for position, t in enumerate(first):
+            kind = _kind(t, dtensor)
+            by_kind.setdefault(id(kind), (kind, []))[1].append(position)
+        if len(by_kind) == 1:
+            out[key] = (lists, indices)
+            continue
+        for n, (kind, positions) in enumerate(by_kind.values()):
+            # Empty lists (amsgrad's max_exp_avg_sqs when unused) stay empty.
+            sub_lists = [[lst[p] for p in positions] if lst else lst for lst in lists]
+            sub_indices = [indices[p] for p in positions] if len(indices) == len(first) else indices
+            out[key if n == 0 else _KindKey(key, kind)] = (sub_lists, sub_indices)
+    return out
+
+
+def _split(tensors: Iterable[Any]) -> dict[int, tuple[Any, list[Any]]]:
+    dtensor = _dtensor_class()
+    by_kind: dict[int, tuple[Any, list[Any]]] = {}
+    for t in tensors:
+        kind = _kind(t, dtensor)
+        by_kind.setdefault(id(kind), (kind, []))[1].append(t)
+    return by_kind
+
+
+def total_norm(
+    tensors: Any,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm``, also over tensors of several kinds.
+
+    One kind: torch's own function and result (a DTensor for DTensors). Several: the norm of
+    each kind (reduced over its mesh: ``full_tensor()``), combined with
+    ``vector_norm(stack(norms), norm_type)`` as torch combines per-tensor norms; a plain
+    0-dim tensor on the first tensor's device, the same on every rank.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (torch's message).
+    """
+    original = compat.module_function("_get_total_norm")
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    kinds = _split(tensors)
+    if len(kinds) <= 1:
+        return original(tensors, norm_type, error_if_nonfinite, foreach)
+    dtensor = _dtensor_class()
+    first_device = tensors[0].device
+    norms = []
+    for _kind_obj, group in kinds.values():
+        norm = original(group, norm_type, False, foreach)
+        if isinstance(norm, dtensor):
+            norm = norm.full_tensor()
+        norms.append(norm.to(first_device))
+    with torch.no_grad():
+        result = torch.linalg.vector_norm(torch.stack(norms), float(norm_type))
+    if error_if_nonfinite and torch.logical_or(result.isnan(), result.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    return result
+
+
+def clip_grads_with_norm(
+    parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None
+) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_``, also over parameters of several kinds: each
+    kind is scaled by the one coefficient, given to it as that kind (a plain ``total_norm``
+    becomes a ``Replicate()`` DTensor on each mesh; a DTensor one is gathered for plain
+    tensors)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    original = compat.module_function("_clip_grads_with_norm_")
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    kinds = _split(parameters)
+    if len(kinds) <= 1:
+        kind = next(iter(kinds.values()))[0] if kinds else None
+        if kind is None and isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()
+        elif kind is not None and not isinstance(total_norm, DTensor):
+            total_norm = DTensor.from_local(
+                total_norm, kind, [Replicate()] * kind.ndim, run_check=False
+            )
+        original(parameters, max_norm, total_norm, foreach)
+        return
+    full = total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+    for kind, group in kinds.values():
+        norm = (
+            full
+            if kind is None
+            else DTensor.from_local(full, kind, [Replicate()] * kind.ndim, run_check=False)
+        )
+        original(group, max_norm, norm, foreach)
+
+
+def install() -> None:
+    """Replace torch's grouping and norm functions (all sites, or none).
+
+    Raises:
+        PatchError: one of them moved (named in the error).
+    """
+    compat.replace_module_functions(
+        {
+            "_group_tensors_by_device_and_dtype": grouped_by_kind,
+            "_get_total_norm": _no_grad(total_norm),
+            "get_total_norm": _no_grad(total_norm),
+            "_clip_grads_with_norm_": _no_grad(clip_grads_with_norm),
+            "clip_grads_with_norm_": _no_grad(clip_grads_with_norm),
+        }
+    )
+
+
+def uninstall() -> None:
+    """Put torch's functions back."""
+    compat.restore_module_functions()
+
+
+_WRAPPED: dict[Any, Any] = {}
+
+
+def _no_grad(fn: Any) -> Any:
+    """One ``torch.no_grad()`` wrapper per function (so repeated installs are idempotent), as
+    torch decorates the originals."""
+    if fn not in _WRAPPED:
+        _WRAPPED[fn] = torch.no_grad()(fn)
+    return _WRAPPED[fn]
+
+
+class _GatherMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_map
+
+        dtensor = _dtensor_class()
+        kwargs = kwargs or {}
+
+        def full(value: Any) -> Any:
+            return value.full_tensor() if isinstance(value, dtensor) else value
+
+        if any(isinstance(v, dtensor) for v in _leaves((args, kwargs))):
+            args, kwargs = tree_map(full, args), tree_map(full, kwargs)
+        return func(*args, **kwargs)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(tree)[0]
+
+
+def gathered_locally() -> torch.overrides.TorchFunctionMode:
+    """``with dtensor_patches.gathered_locally(): ...``: every DTensor argument of a torch call
+    in the block is gathered (``full_tensor()``, differentiable: its gradient flows back as a
+    reduce-scatter) and the call runs on plain tensors, returning plain tensors.
+
+    The second reading of a plain tensor beside a DTensor (``got mixed torch.Tensor and
+    DTensor``): the plain tensor is this rank's own data and the DTensor a sharded parameter
+    whose full value is wanted, e.g. ``hidden @ lm_head.weight.T`` outside an FSDP2 module.
+    For the first reading (the plain tensor is the same on every rank: a causal mask beside
+    sharded scores) use ``torch.distributed.tensor.experimental.implicit_replication()``.
+    """
+    return _GatherMode()
