@@ -25,12 +25,16 @@ import torch
 import torch.distributed as dist
 
 import dtensor_patches
+from ppo_value import batching
 from ppo_value import checkpoint as ckpt
+from ppo_value.activation_checkpointing import enable_activation_checkpointing
 from ppo_value.alignment import RightShiftLossWrapper, right_shift_values
 from ppo_value.config import ValueConfig
+from ppo_value.grad_norm import clip_grad_norm_flat
 from ppo_value.losses import ClippedValueLoss
 from ppo_value.metrics import ValueStats
 from ppo_value.model import ValueModel, build_value_model
+from ppo_value.packing import VARLEN_IMPLEMENTATIONS, pack_sequences
 from ppo_value.parallel import build_mesh, pad_for_sequence_parallel, parallelize_value_model
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,14 @@ def _validate_batch(batch: Mapping[str, torch.Tensor], keys: tuple[str, ...]) ->
     if shape[0] == 0 or shape[1] == 0:
         raise ValueError(f"empty batch of shape {shape}")
     return shape[0]
+
+
+def _flat_mesh_group(mesh: Any) -> dist.ProcessGroup | None:
+    """The process group of every rank of ``mesh`` (``None``: it is the default group)."""
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return None
+    return dist.new_group(ranks)
 
 
 class ValueWorker:
@@ -86,9 +98,12 @@ class ValueWorker:
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.dp_group = self.mesh["dp"].get_group()
+        self.mesh_group = _flat_mesh_group(self.mesh)
         model = build_value_model(config).to(self.device)
         self.hf_config = model.config
         self.pad_token_id = int(model.config.pad_token_id or 0)
+        if config.activation_checkpointing:
+            enable_activation_checkpointing(model.model.layers)
         self.model: ValueModel = parallelize_value_model(
             model, self.mesh, mixed_precision=config.mixed_precision
         )
@@ -134,15 +149,61 @@ class ValueWorker:
                 f"({int(-neg_lo)}..{int(hi)}); give every dp rank the same batch size"
             )
 
+    def _micro_batches(self, batch: Mapping[str, torch.Tensor], micro: int) -> list[list[int]]:
+        """Sequence indices of each micro-batch; the same count on every dp rank.
+
+        Fixed size (``micro`` sequences) unless ``config.max_tokens_per_micro_batch`` is set;
+        token-budget plans are split or padded with empty micro-batches to the dp maximum.
+        """
+        batch_size = int(batch["input_ids"].shape[0])
+        budget = self.config.max_tokens_per_micro_batch
+        if budget is None:
+            self._check_dp_batch(batch_size, micro)
+            return batching.fixed_size_micro_batches(batch_size, micro)
+        packed = self.config.sequence_packing
+        lengths = batching.sequence_lengths(batch["attention_mask"], packed=packed)
+        groups = batching.token_budget_micro_batches(lengths, budget, packed=packed)
+        (target,) = self._dp_all_reduce([len(groups)], dist.ReduceOp.MAX)
+        return batching.equalise_micro_batches(groups, lengths, int(target), packed=packed)
+
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Raw values ``[b, S]`` float32 for one micro-batch; pads for SP and trims."""
+        """Raw values ``[b, S]`` float32 for one micro-batch.
+
+        Trailing columns that no sequence uses are cut off (causal attention: the other
+        positions do not depend on them) and come back as 0; the rest is padded for SP and
+        trimmed."""
+        width = int(input_ids.shape[1])
+        extent = max(1, *batching.sequence_lengths(attention_mask, packed=False))
         ids, mask, seq = pad_for_sequence_parallel(
-            input_ids.to(self.device),
-            attention_mask.to(self.device),
+            input_ids[:, :extent].to(self.device),
+            attention_mask[:, :extent].to(self.device),
             self.config.tp,
             self.pad_token_id,
         )
-        return self.model(ids, mask)[:, :seq]
+        raw = self.model(ids, mask)[:, :seq]
+        return torch.nn.functional.pad(raw, (0, width - extent)) if extent < width else raw
+
+    def _packed_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``V(s_t)`` ``[b, S]`` of one micro-batch through packed rows (already shifted, per
+        sequence); 0 at masked positions."""
+        impl = self.config.attn_implementation
+        varlen = impl in VARLEN_IMPLEMENTATIONS
+        packed = pack_sequences(
+            input_ids,
+            attention_mask,
+            row_tokens=None if varlen else (self.config.pack_row_tokens or input_ids.shape[1]),
+            multiple=self.config.tp,
+            pad_token_id=self.pad_token_id,
+        ).to(self.device)
+        raw = self.model(packed.input_ids, packed.attention_mask(impl), packed.position_ids)
+        return packed.unpack(packed.shift_values(raw))
+
+    def _empty_forward(self) -> torch.Tensor:
+        """A forward on ``tp`` pad tokens for an empty micro-batch: keeps the FSDP2 and TP
+        collectives of every rank in step. Returns its raw ``[1, tp]`` output."""
+        tp = self.config.tp
+        ids = torch.full((1, tp), self.pad_token_id, dtype=torch.long)
+        return self._forward(ids, torch.ones(1, tp, dtype=torch.long))
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -163,15 +224,21 @@ class ValueWorker:
             ValueError: missing keys, shape mismatch, empty batch, or dp ranks with different
                 numbers of micro-batches.
         """
-        batch_size = _validate_batch(batch, _INFER_KEYS)
+        _validate_batch(batch, _INFER_KEYS)
         micro = micro_batch_size or self.config.micro_batch_size
-        self._check_dp_batch(batch_size, micro)
-        out = []
-        for start in range(0, batch_size, micro):
-            sl = slice(start, start + micro)
-            raw = self._forward(batch["input_ids"][sl], batch["attention_mask"][sl])
-            out.append(right_shift_values(raw).float().cpu())
-        return torch.cat(out)
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for group in self._micro_batches(batch, micro):
+            if not group:
+                self._empty_forward()
+                continue
+            idx = torch.tensor(group)
+            ids, mask = batch["input_ids"][idx], batch["attention_mask"][idx]
+            if self.config.sequence_packing:
+                values = self._packed_values(ids, mask)
+            else:
+                values = right_shift_values(self._forward(ids, mask))
+            out[idx] = values.float().cpu()
+        return out
 
     def train(
         self, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None = None
@@ -196,35 +263,49 @@ class ValueWorker:
             ValueError: missing keys, shape mismatch, empty batch, an all-zero ``loss_mask``
                 over the global batch, or dp ranks with different numbers of micro-batches.
         """
-        batch_size = _validate_batch(batch, _TRAIN_KEYS)
+        _validate_batch(batch, _TRAIN_KEYS)
         micro = micro_batch_size or self.config.micro_batch_size
-        self._check_dp_batch(batch_size, micro)
+        groups = self._micro_batches(batch, micro)
         (global_tokens,) = self._dp_all_reduce([float(batch["loss_mask"].sum())], dist.ReduceOp.SUM)
         if global_tokens == 0:
             raise ValueError("loss_mask has no valid tokens in the whole batch")
         dp_size = self.config.dp
         stats = ValueStats()
-        starts = list(range(0, batch_size, micro))
         self.optimizer.zero_grad(set_to_none=True)
-        for i, start in enumerate(starts):
-            sl = slice(start, start + micro)
-            self.model.set_requires_gradient_sync(i == len(starts) - 1)
-            raw = self._forward(batch["input_ids"][sl], batch["attention_mask"][sl])
+        for i, group in enumerate(groups):
+            self.model.set_requires_gradient_sync(i == len(groups) - 1)
+            if not group:  # padding micro-batch: same collectives, zero gradient
+                (self._empty_forward().sum() * 0.0).backward()
+                continue
+            sl = torch.tensor(group)
             mask = batch["loss_mask"][sl].to(self.device)
             returns = batch["returns"][sl].to(self.device)
-            out = self.loss_fn(
-                raw,
-                batch["old_values"][sl].to(self.device),
-                returns,
-                mask,
-                num_valid_tokens=global_tokens,
-            )
+            old_values = batch["old_values"][sl].to(self.device)
+            ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
+            if self.config.sequence_packing:
+                # shifted per sequence inside the packed rows, so the inner (unshifted) loss
+                out = self.loss_fn.inner(
+                    self._packed_values(ids, attention),
+                    old_values,
+                    returns,
+                    mask,
+                    num_valid_tokens=global_tokens,
+                )
+            else:
+                out = self.loss_fn(
+                    self._forward(ids, attention),
+                    old_values,
+                    returns,
+                    mask,
+                    num_valid_tokens=global_tokens,
+                )
             (out.loss * dp_size).backward()
             stats.update(values=out.values, returns=returns, mask=mask)
             stats.add_loss(out.loss_sum, out.clipped_tokens)
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # one all-reduce over the flattened (dp, tp) mesh, not one per mesh dimension
+        grad_norm = clip_grad_norm_flat(
+            self.model.parameters(), self.config.max_grad_norm, self.mesh_group
+        )
         lr = float(self.scheduler.get_last_lr()[0])
         skipped = not math.isfinite(grad_norm)
         if skipped:
