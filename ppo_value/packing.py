@@ -185,7 +185,10 @@ def pack_sequences(
     lengths = [int(n) for n in valid.sum(dim=1).tolist()]
     seqs = [i for i in range(b) if lengths[i] > 0]
     capacity = max([lengths[i] for i in seqs] + [row_tokens or sum(lengths), 1])
-    rows = [[seqs[j] for j in row] for row in _first_fit_decreasing([lengths[i] for i in seqs], capacity)]
+    rows = [
+        [seqs[j] for j in row]
+        for row in _first_fit_decreasing([lengths[i] for i in seqs], capacity)
+    ]
     if not rows:  # nothing valid at all: one row of padding keeps the forward well-formed
         rows = [[]]
     used = max(sum(lengths[i] for i in row) for row in rows)
