@@ -85,6 +85,8 @@ class ValueConfig:
             tokens with packing, ``sequences * longest`` without). ``None`` disables.
         activation_checkpointing: recompute each decoder layer in backward instead of keeping
             its activations (:mod:`ppo_value.activation_checkpointing`); same gradients.
+        numa_binding: on GPU, pin each worker's CPU threads to its GPU's NUMA node
+            (:mod:`ppo_value.numa`); no effect on CPU.
     """
 
     model_family: str = "qwen2"
@@ -110,6 +112,7 @@ class ValueConfig:
     pack_row_tokens: int | None = None
     max_tokens_per_micro_batch: int | None = None
     activation_checkpointing: bool = False
+    numa_binding: bool = True
 
     def __post_init__(self) -> None:
         """Validate field values.

@@ -34,6 +34,7 @@ from ppo_value.grad_norm import clip_grad_norm_flat
 from ppo_value.losses import ClippedValueLoss
 from ppo_value.metrics import ValueStats
 from ppo_value.model import ValueModel, build_value_model
+from ppo_value.numa import bind_to_gpu_numa_node
 from ppo_value.packing import VARLEN_IMPLEMENTATIONS, pack_sequences
 from ppo_value.parallel import build_mesh, pad_for_sequence_parallel, parallelize_value_model
 
@@ -92,6 +93,8 @@ class ValueWorker:
             local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
+            if config.numa_binding:
+                bind_to_gpu_numa_node(self.device)
         else:
             self.device = torch.device("cpu")
         self.mesh = build_mesh(config.dp, config.tp, self.device.type)
