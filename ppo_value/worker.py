@@ -217,11 +217,14 @@ class ValueWorker:
 
         Args:
             batch: ``input_ids`` ``[B, S]`` int64 and ``attention_mask`` ``[B, S]`` 0/1.
-            micro_batch_size: sequences per forward (default ``config.micro_batch_size``).
+            micro_batch_size: sequences per forward (default ``config.micro_batch_size``);
+                ignored with ``config.max_tokens_per_micro_batch`` (token-budget groups).
 
         Returns:
-            ``[B, S]`` float32 CPU tensor, right-shifted once (``out[:, 0] = 0``). Positions
-            whose ``attention_mask`` is 0 hold meaningless values; mask them downstream.
+            ``[B, S]`` float32 CPU tensor in the order of ``batch``, right-shifted once per
+            sequence (``out[:, 0] = 0``; packed: 0 at the first token of every sequence).
+            Positions whose ``attention_mask`` is 0 hold meaningless values (0 where packing or
+            trimming skipped them); mask them downstream.
 
         Raises:
             ValueError: missing keys, shape mismatch, empty batch, or dp ranks with different
@@ -252,9 +255,13 @@ class ValueWorker:
         summed over all micro-batches and dp ranks, so the update equals a single-process step
         on the whole global batch whatever the micro-batch size and dp degree. FSDP2 averages
         gradients over dp, so the loss is scaled by the dp size to turn that mean into a sum.
-        The gradient 2-norm over the whole mesh is clipped to ``config.max_grad_norm``; a
-        non-finite norm skips the optimiser and scheduler step (logged, and reported as
-        ``critic/skipped_step = 1``).
+        The gradient 2-norm over the whole mesh (one all-reduce over the flattened mesh) is
+        clipped to ``config.max_grad_norm``; a non-finite norm skips the optimiser and
+        scheduler step (logged, and reported as ``critic/skipped_step = 1``). With
+        ``config.max_tokens_per_micro_batch`` sequences are grouped by length and every dp
+        rank runs the same number of micro-batches (empty ones run a zero-weight dummy pass);
+        with ``config.sequence_packing`` each micro-batch runs as packed rows. Neither changes
+        the update: the normalisation by global valid tokens makes it grouping-independent.
 
         Returns:
             Global metrics (identical on every rank): ``critic/loss``, ``critic/clip_fraction``,
@@ -264,7 +271,8 @@ class ValueWorker:
 
         Raises:
             ValueError: missing keys, shape mismatch, empty batch, an all-zero ``loss_mask``
-                over the global batch, or dp ranks with different numbers of micro-batches.
+                over the global batch, dp ranks with different numbers of fixed-size
+                micro-batches, or a sequence longer than ``max_tokens_per_micro_batch``.
         """
         _validate_batch(batch, _TRAIN_KEYS)
         micro = micro_batch_size or self.config.micro_batch_size

@@ -138,3 +138,23 @@ def test_activation_checkpointing_same_gradients_less_saved() -> None:
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=TOL, msg=n)
     assert saved[1] < saved[0] / 2
+
+
+def test_left_padded_batch_packs_to_the_same_values(model: ValueModel) -> None:
+    """Left padding (prompts aligned on the right): packed positions restart at 0 while the
+    padded forward uses column indices; RoPE is relative, so valid values agree, and the first
+    token of each sequence gets 0."""
+    batch = make_batch(4, 8, seed=13)
+    right = batch["attention_mask"]
+    left = right.flip(1)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        ref = shift(model(ids, left))
+        got = _packed_values(model, ids, left, multiple=2)
+    valid = left.bool()
+    first = valid.long().argmax(dim=1)
+    rows = torch.arange(4)
+    assert torch.equal(got[rows, first], torch.zeros(4))
+    later = valid.clone()
+    later[rows, first] = False  # the padded path shifts a padding position's value in there
+    assert float((got - ref).abs()[later].max()) < TOL
