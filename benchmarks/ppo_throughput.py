@@ -6,7 +6,9 @@ One global batch whose sequence lengths follow a long-tailed mix like real rollo
 
 - ``padded``: ``micro_batch_size`` sequences per forward, padded to the longest;
 - ``packed``: the same micro-batches, sequences packed into rows (:mod:`ppo_value.packing`);
-- ``packed+budget``: packed, grouped into micro-batches of at most ``--max-tokens`` tokens;
+- ``packed+budget``: packed, grouped into micro-batches of at most ``--max-tokens`` tokens
+  (default ``micro_batch_size * seq``, the most a padded micro-batch holds: the same memory
+  bound, filled with real tokens, so fewer forward/backward passes);
 - ``packed+budget+ac``: the same with activation checkpointing per decoder layer;
 
 at two layouts of equal world size: ``dp4`` (FSDP2 over 4 ranks) and ``dp2xtp2`` (dp=2 x
@@ -16,7 +18,8 @@ Throughput counts *valid* tokens (``attention_mask == 1``) of the global batch p
 ``train`` step and of ``get_values``, timed on rank 0. In each layout one process group builds
 one worker per mode and times them interleaved (mode A, B, C, D, A, B, ...) for ``--repeats``
 rounds after ``--warmup`` untimed ones; the table gives medians, and ratios to ``padded`` from
-the same rounds.
+the same rounds. The padded mode already cuts trailing columns that no sequence of a
+micro-batch uses, so it pads each micro-batch to its own longest sequence, not to ``--seq``.
 
 Peak memory per rank: on GPU ``torch.cuda.max_memory_allocated`` over the timed steps of the
 mode (reset before it). On CPU the allocator keeps freed memory, so a process measures one mode
@@ -160,8 +163,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=512, help="longest sequence (padded length)")
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=1024, help="token budget per micro-batch")
-    p.add_argument("--repeats", type=int, default=3, help="timed interleaved rounds")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="token budget per micro-batch (default micro-batch-size x seq: the padded worst case)",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed interleaved rounds")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--attn", default="sdpa", help="attn_implementation (flash_attention_2 on GPU)")
@@ -205,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
+    if args.max_tokens is None:
+        args.max_tokens = args.micro_batch_size * args.seq
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     n_gpus = torch.cuda.device_count() if cuda else 0

@@ -78,8 +78,10 @@ class ValueConfig:
         sequence_packing: pack the sequences of each micro-batch into rows (per-sequence
             positions, block-diagonal causal attention; :mod:`ppo_value.packing`). Values are
             unpacked to ``[B, S]``; results equal the padded path.
-        pack_row_tokens: most tokens per packed row; ``None`` uses the batch's padded length
-            ``S`` (one row for varlen attention). Ignored without ``sequence_packing``.
+        pack_row_tokens: most tokens per packed row (bounds the ``T x T`` attention mask of
+            ``sdpa``/``eager``); ``None`` packs each micro-batch into one row, whose length the
+            token budget bounds. Varlen attention always uses one row. Ignored without
+            ``sequence_packing``.
         max_tokens_per_micro_batch: token budget per micro-batch: sequences are grouped by
             length instead of ``micro_batch_size`` at a time (:mod:`ppo_value.batching`; packed
             tokens with packing, ``sequences * longest`` without). ``None`` disables.

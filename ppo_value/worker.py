@@ -194,7 +194,7 @@ class ValueWorker:
         packed = pack_sequences(
             input_ids,
             attention_mask,
-            row_tokens=None if varlen else (self.config.pack_row_tokens or input_ids.shape[1]),
+            row_tokens=None if varlen else self.config.pack_row_tokens,
             multiple=self.config.tp,
             pad_token_id=self.pad_token_id,
         ).to(self.device)
