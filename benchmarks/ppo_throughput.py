@@ -50,7 +50,8 @@ import torch
 
 log = logging.getLogger("ppo_throughput")
 
-LAYOUTS: list[tuple[str, int, int]] = [("dp4", 4, 1), ("dp2xtp2", 2, 2)]
+LAYOUTS: list[tuple[str, int, int]] = [("dp4", 4, 1), ("dp2xtp2", 2, 2), ("single", 1, 1)]
+DEFAULT_LAYOUTS = "dp4,dp2xtp2"  # equal world size; ``--layouts single`` for one GPU
 MODES: list[str] = ["padded", "packed", "packed+budget", "packed+budget+ac"]
 
 
@@ -173,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--attn", default="sdpa", help="attn_implementation (flash_attention_2 on GPU)")
-    p.add_argument("--layouts", default=",".join(n for n, _, _ in LAYOUTS))
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="of dp4, dp2xtp2, single")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--no-memory", action="store_true", help="skip the CPU memory processes")
     p.add_argument("--output", type=Path, default=Path("out/ppo_throughput.json"))

@@ -79,9 +79,9 @@ class ValueConfig:
             positions, block-diagonal causal attention; :mod:`ppo_value.packing`). Values are
             unpacked to ``[B, S]``; results equal the padded path.
         pack_row_tokens: most tokens per packed row (bounds the ``T x T`` attention mask of
-            ``sdpa``/``eager``); ``None`` packs each micro-batch into one row, whose length the
-            token budget bounds. Varlen attention always uses one row. Ignored without
-            ``sequence_packing``.
+            ``sdpa``/``eager``, whose cost is quadratic in ``T``); ``None`` uses the longest
+            sequence of the micro-batch. Varlen attention (``flash_attention_*``) always packs a
+            micro-batch into one row. Ignored without ``sequence_packing``.
         max_tokens_per_micro_batch: token budget per micro-batch: sequences are grouped by
             length instead of ``micro_batch_size`` at a time (:mod:`ppo_value.batching`; packed
             tokens with packing, ``sequences * longest`` without). ``None`` disables.

@@ -165,8 +165,19 @@ class ValueWorker:
             return batching.fixed_size_micro_batches(batch_size, micro)
         packed = self.config.sequence_packing
         lengths = batching.sequence_lengths(batch["attention_mask"], packed=packed)
-        groups = batching.token_budget_micro_batches(lengths, budget, packed=packed)
-        (target,) = self._dp_all_reduce([len(groups)], dist.ReduceOp.MAX)
+        try:
+            groups = batching.token_budget_micro_batches(lengths, budget, packed=packed)
+            error = None
+        except ValueError as exc:  # raise on every dp rank, not only here (no hang)
+            groups, error = [], exc
+        target, failed = self._dp_all_reduce([len(groups), error is not None], dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(
+                "another data-parallel rank has a sequence longer than "
+                f"max_tokens_per_micro_batch={budget}"
+            )
         return batching.equalise_micro_batches(groups, lengths, int(target), packed=packed)
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -190,11 +201,18 @@ class ValueWorker:
         """``V(s_t)`` ``[b, S]`` of one micro-batch through packed rows (already shifted, per
         sequence); 0 at masked positions."""
         impl = self.config.attn_implementation
-        varlen = impl in VARLEN_IMPLEMENTATIONS
+        if impl in VARLEN_IMPLEMENTATIONS:
+            row_tokens = None  # varlen kernels skip the other sequences: one row is cheapest
+        else:
+            # a dense T x T mask costs T^2: rows no longer than the longest sequence keep the
+            # attention within what the padded forward computes
+            row_tokens = self.config.pack_row_tokens or max(
+                batching.sequence_lengths(attention_mask, packed=True)
+            )
         packed = pack_sequences(
             input_ids,
             attention_mask,
-            row_tokens=None if varlen else self.config.pack_row_tokens,
+            row_tokens=row_tokens,
             multiple=self.config.tp,
             pad_token_id=self.pad_token_id,
         ).to(self.device)

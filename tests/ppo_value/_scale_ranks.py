@@ -114,3 +114,27 @@ def grad_norm_collectives(
         "all_reduce_per_step": len(calls) / 2,
         "grad_norm_diff": abs(metrics["critic/grad_norm"] - ref["grad_norm"]),
     }
+
+
+def too_long_on_one_rank(cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor]) -> str:
+    """Only dp rank 0 has a sequence over the budget: every rank must raise (no hang), and
+    the weights stay as they were."""
+    from tests.ppo_value._ranks import dp_slice
+
+    torch.set_num_threads(1)
+    cfg = ValueConfig.from_dict(cfg_dict)
+    worker = ValueWorker(cfg)
+    local = dp_slice(batch, cfg.dp, cfg.tp)
+    if dist.get_rank() // cfg.tp == 0:
+        local = {k: v.clone() for k, v in local.items()}
+        local["attention_mask"][0] = 1
+    before = worker.full_state_dict()
+    try:
+        worker.train(local)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    after = worker.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    return message
