@@ -9,10 +9,16 @@ Modules, one job each:
 - :mod:`ppo_value.metrics`    globally reduced statistics (explained variance, value stats).
 - :mod:`ppo_value.model`      ``transformers`` backbone plus a float32 scalar value head.
 - :mod:`ppo_value.parallel`   the (dp, tp) mesh, the TP + SP plan, FSDP2 sharding, SP padding.
+- :mod:`ppo_value.packing`    sequence packing: rows, block-diagonal causal masks, unpacking.
+- :mod:`ppo_value.batching`   fixed-size and token-budget micro-batch plans, equal across dp.
+- :mod:`ppo_value.activation_checkpointing` recompute each decoder layer in backward.
+- :mod:`ppo_value.grad_norm`  gradient norm and clipping in one collective over the mesh.
+- :mod:`ppo_value.numa`       pin GPU workers to their GPU's NUMA node.
 - :mod:`ppo_value.checkpoint` atomic sharded checkpoints (DCP) and Hugging Face export.
 - :mod:`ppo_value.worker`     :class:`ValueWorker`: ``get_values``, ``train``, checkpoints, hooks.
 - :mod:`ppo_value.ray_group`  the worker as a Ray actor and a group of them.
 - :mod:`ppo_value.task`       an in-process verifiable arithmetic task and tokenizer (demo data).
+- :mod:`ppo_value.gates`      the metric gates of a training run (loss, EV, grad norm, EV rise).
 - :mod:`ppo_value.demo`       ``python -m ppo_value.demo``: train the critic end to end.
 
 Heavy modules (torch.distributed, transformers, ray) are imported lazily by their users.

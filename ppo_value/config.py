@@ -75,7 +75,22 @@ class ValueConfig:
             the value head always runs in float32.
         seed: seeds the whole model initialisation (identical on every rank and launch).
         backend: process-group backend; ``None`` picks ``"nccl"`` with CUDA, else ``"gloo"``.
-        attn_implementation: ``transformers`` attention implementation (``"sdpa"``/``"eager"``).
+        attn_implementation: ``transformers`` attention implementation (``"sdpa"``/``"eager"``;
+            ``"flash_attention_2"`` on GPU gives packed rows the varlen kernel).
+        sequence_packing: pack the sequences of each micro-batch into rows (per-sequence
+            positions, block-diagonal causal attention; :mod:`ppo_value.packing`). Values are
+            unpacked to ``[B, S]``; results equal the padded path.
+        pack_row_tokens: most tokens per packed row (bounds the ``T x T`` attention mask of
+            ``sdpa``/``eager``, whose cost is quadratic in ``T``); ``None`` uses the longest
+            sequence of the micro-batch. Varlen attention (``flash_attention_*``) always packs a
+            micro-batch into one row. Ignored without ``sequence_packing``.
+        max_tokens_per_micro_batch: token budget per micro-batch: sequences are grouped by
+            length instead of ``micro_batch_size`` at a time (:mod:`ppo_value.batching`; packed
+            tokens with packing, ``sequences * longest`` without). ``None`` disables.
+        activation_checkpointing: recompute each decoder layer in backward instead of keeping
+            its activations (:mod:`ppo_value.activation_checkpointing`); same gradients.
+        numa_binding: on GPU, pin each worker's CPU threads to its GPU's NUMA node
+            (:mod:`ppo_value.numa`); no effect on CPU.
     """
 
     model_family: str = "qwen2"
@@ -97,6 +112,11 @@ class ValueConfig:
     seed: int = 0
     backend: str | None = None
     attn_implementation: str = "sdpa"
+    sequence_packing: bool = False
+    pack_row_tokens: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    activation_checkpointing: bool = False
+    numa_binding: bool = True
 
     def __post_init__(self) -> None:
         """Validate field values.
@@ -123,6 +143,10 @@ class ValueConfig:
             raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        for name in ("pack_row_tokens", "max_tokens_per_micro_batch"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
         object.__setattr__(self, "model_config", dict(self.model_config))

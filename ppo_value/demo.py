@@ -10,8 +10,10 @@ evaluation and no bar. It measures explained variance on a fixed held-out set of
 saves ``critic_curve.png``, ``metrics.json``, a checkpoint and an ``hf/`` export, reloads the
 checkpoint into a fresh group started from another seed and checks that the values match.
 
-Exit status 1 if the reloaded values differ (> 1e-5) or, with ``--require-ev-gain X``, if the
-held-out explained variance did not rise by at least ``X``.
+Exit status 1 if the reloaded values differ (> 1e-5), if a metric gate fails
+(:mod:`ppo_value.gates`: critic loss in [0, 6), explained variance <= 1.0001, grad norm < 350 at
+every step, rising held-out explained variance; ``--no-gates`` skips them) or, with
+``--require-ev-gain X``, if the held-out explained variance did not rise by at least ``X``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch  # noqa: E402
 
 from ppo_value.config import ValueConfig  # noqa: E402
 from ppo_value.gae import compute_gae  # noqa: E402
+from ppo_value.gates import check_metric_gates, format_gates  # noqa: E402
 from ppo_value.metrics import explained_variance  # noqa: E402
 from ppo_value.task import ArithmeticTask, Rollouts, build_tokenizer  # noqa: E402
 
@@ -74,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="fail unless held-out EV rises by at least this much",
+    )
+    p.add_argument(
+        "--no-gates",
+        action="store_true",
+        help="do not fail on the metric gates (loss, explained variance, grad norm, EV rise)",
     )
     return p.parse_args(argv)
 
@@ -274,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": str(ckpt),
         "config": config.to_dict(),
     }
+    gates = check_metric_gates(history, evals)
+    summary["gates"] = [g.as_dict() for g in gates]
     (out / "metrics.json").write_text(
         json.dumps({"summary": summary, "history": history}, indent=1)
     )
@@ -293,6 +303,18 @@ def main(argv: list[str] | None = None) -> int:
         math.isfinite(gain) and gain >= args.require_ev_gain
     ):
         log.error("held-out EV gain %.3f < required %.3f", gain, args.require_ev_gain)
+        status = 1
+    print("metric gates:\n" + format_gates(gates))
+    failed = [g for g in gates if not g.passed]
+    for g in failed:
+        log.error(
+            "metric gate FAILED: %s = %.4g at step %s, required %s",
+            g.name,
+            g.worst,
+            g.step,
+            g.bound,
+        )
+    if failed and not args.no_gates:
         status = 1
     return status
 

@@ -76,20 +76,30 @@ class ValueModel(nn.Module):
         return self.model.config
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Raw (unshifted) token values.
 
         Args:
             input_ids: ``[B, S]`` int64 token ids.
-            attention_mask: ``[B, S]`` 0/1 (1 = real token), or ``None`` for all ones.
+            attention_mask: ``[B, S]`` 0/1 (1 = real token), ``None`` for all ones, or a 4-D
+                mask that ``transformers`` uses as-is (packed rows, :mod:`ppo_value.packing`).
+            position_ids: ``[B, S]`` int64 positions; ``None`` means ``0..S-1``.
 
         Returns:
             ``[B, S]`` float32 plain tensor; ``out[:, t]`` is the value of the state after
             token ``t``. Under sequence parallelism the head's ``[B, S, 1]`` DTensor output is
             redistributed to ``Replicate`` (the only redistribution of the head).
         """
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
         hidden = out.last_hidden_state.float()
         values = self.score(hidden)
         if isinstance(values, DTensor):

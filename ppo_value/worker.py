@@ -25,20 +25,33 @@ import torch
 import torch.distributed as dist
 
 import dtensor_patches
+from ppo_value import batching
 from ppo_value import checkpoint as ckpt
 from ppo_value._agree import agree
 from ppo_value._batch import INFER_KEYS, TRAIN_KEYS, check_batch, check_micro_batch_size
+from ppo_value.activation_checkpointing import enable_activation_checkpointing
 from ppo_value.alignment import RightShiftLossWrapper, right_shift_values
 from ppo_value.config import ValueConfig
+from ppo_value.grad_norm import clip_grad_norm_flat
 from ppo_value.losses import ClippedValueLoss
 from ppo_value.metrics import ValueStats
 from ppo_value.model import ValueModel, build_value_model
+from ppo_value.numa import bind_to_gpu_numa_node
+from ppo_value.packing import VARLEN_IMPLEMENTATIONS, pack_sequences
 from ppo_value.parallel import build_mesh, pad_for_sequence_parallel, parallelize_value_model
 from ppo_value.patch_needs import check_patch_report
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ValueWorker"]
+
+
+def _flat_mesh_group(mesh: Any) -> dist.ProcessGroup | None:
+    """The process group of every rank of ``mesh`` (``None``: it is the default group)."""
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return None
+    return dist.new_group(ranks)
 
 
 class ValueWorker:
@@ -69,16 +82,21 @@ class ValueWorker:
             local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
+            if config.numa_binding:
+                bind_to_gpu_numa_node(self.device)
         else:
             self.device = torch.device("cpu")
         self.mesh = build_mesh(config.dp, config.tp, self.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.dp_group = self.mesh["dp"].get_group()
+        self.mesh_group = _flat_mesh_group(self.mesh)
         model = build_value_model(config).to(self.device)
         self.hf_config = model.config
         self.pad_token_id = int(model.config.pad_token_id or 0)
         self.vocab_size = int(model.config.vocab_size)
+        if config.activation_checkpointing:
+            enable_activation_checkpointing(model.model.layers)
         self.model: ValueModel = parallelize_value_model(
             model,
             self.mesh,
@@ -133,6 +151,11 @@ class ValueWorker:
         agree(error, what=what, exc_type=ValueError)
         return sizes
 
+    @property
+    def _sp_multiple(self) -> int:
+        """Sequence lengths must be a multiple of this: the TP degree under SP, else 1."""
+        return self.config.tp if self.config.sequence_parallel else 1
+
     def _check_dp_batch(self, batch_size: int, micro: int) -> None:
         n_micro = math.ceil(batch_size / micro)
         hi, neg_lo = self._dp_all_reduce([n_micro, -n_micro], dist.ReduceOp.MAX)
@@ -142,15 +165,79 @@ class ValueWorker:
                 f"({int(-neg_lo)}..{int(hi)}); give every dp rank the same batch size"
             )
 
+    def _micro_batches(self, batch: Mapping[str, torch.Tensor], micro: int) -> list[list[int]]:
+        """Sequence indices of each micro-batch; the same count on every dp rank.
+
+        Fixed size (``micro`` sequences) unless ``config.max_tokens_per_micro_batch`` is set;
+        token-budget plans are split or padded with empty micro-batches to the dp maximum.
+        """
+        batch_size = int(batch["input_ids"].shape[0])
+        budget = self.config.max_tokens_per_micro_batch
+        if budget is None:
+            self._check_dp_batch(batch_size, micro)
+            return batching.fixed_size_micro_batches(batch_size, micro)
+        packed = self.config.sequence_packing
+        lengths = batching.sequence_lengths(batch["attention_mask"], packed=packed)
+        try:
+            groups = batching.token_budget_micro_batches(lengths, budget, packed=packed)
+            error = None
+        except ValueError as exc:  # raise on every dp rank, not only here (no hang)
+            groups, error = [], exc
+        target, failed = self._dp_all_reduce([len(groups), error is not None], dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(
+                "another data-parallel rank has a sequence longer than "
+                f"max_tokens_per_micro_batch={budget}"
+            )
+        return batching.equalise_micro_batches(groups, lengths, int(target), packed=packed)
+
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Raw values ``[b, S]`` float32 for one micro-batch; pads for SP and trims."""
+        """Raw values ``[b, S]`` float32 for one micro-batch.
+
+        Trailing columns that no sequence uses are cut off (causal attention: the other
+        positions do not depend on them) and come back as 0; the rest is padded for SP and
+        trimmed."""
+        width = int(input_ids.shape[1])
+        extent = max(1, *batching.sequence_lengths(attention_mask, packed=False))
         ids, mask, seq = pad_for_sequence_parallel(
-            input_ids.to(self.device),
-            attention_mask.to(self.device),
-            self.config.tp if self.config.sequence_parallel else 1,
+            input_ids[:, :extent].to(self.device),
+            attention_mask[:, :extent].to(self.device),
+            self._sp_multiple,
             self.pad_token_id,
         )
-        return self.model(ids, mask)[:, :seq]
+        raw = self.model(ids, mask)[:, :seq]
+        return torch.nn.functional.pad(raw, (0, width - extent)) if extent < width else raw
+
+    def _packed_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``V(s_t)`` ``[b, S]`` of one micro-batch through packed rows (already shifted, per
+        sequence); 0 at masked positions."""
+        impl = self.config.attn_implementation
+        if impl in VARLEN_IMPLEMENTATIONS:
+            row_tokens = None  # varlen kernels skip the other sequences: one row is cheapest
+        else:
+            # a dense T x T mask costs T^2: rows no longer than the longest sequence keep the
+            # attention within what the padded forward computes
+            row_tokens = self.config.pack_row_tokens or max(
+                batching.sequence_lengths(attention_mask, packed=True)
+            )
+        packed = pack_sequences(
+            input_ids,
+            attention_mask,
+            row_tokens=row_tokens,
+            multiple=self._sp_multiple,
+            pad_token_id=self.pad_token_id,
+        ).to(self.device)
+        raw = self.model(packed.input_ids, packed.attention_mask(impl), packed.position_ids)
+        return packed.unpack(packed.shift_values(raw))
+
+    def _empty_forward(self) -> torch.Tensor:
+        """A forward on ``tp`` pad tokens for an empty micro-batch: keeps the FSDP2 and TP
+        collectives of every rank in step. Returns its raw ``[1, tp]`` output."""
+        tp = self.config.tp
+        ids = torch.full((1, tp), self.pad_token_id, dtype=torch.long)
+        return self._forward(ids, torch.ones(1, tp, dtype=torch.long))
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -161,26 +248,36 @@ class ValueWorker:
 
         Args:
             batch: ``input_ids`` ``[B, S]`` int64 and ``attention_mask`` ``[B, S]`` 0/1.
-            micro_batch_size: sequences per forward (default ``config.micro_batch_size``).
+            micro_batch_size: sequences per forward (default ``config.micro_batch_size``);
+                ignored with ``config.max_tokens_per_micro_batch`` (token-budget groups).
 
         Returns:
-            ``[B, S]`` float32 CPU tensor, right-shifted once (``out[:, 0] = 0``). Positions
-            whose ``attention_mask`` is 0 hold meaningless values; mask them downstream.
+            ``[B, S]`` float32 CPU tensor in the order of ``batch``, right-shifted once per
+            sequence (``out[:, 0] = 0``; packed: 0 at the first token of every sequence).
+            Positions whose ``attention_mask`` is 0 hold meaningless values (0 where packing or
+            trimming skipped them); mask them downstream.
 
         Raises:
             ValueError: on every rank when any rank has missing keys, a shape mismatch, an
                 empty batch, token ids outside ``[0, vocab_size)``, a non-0/1 mask, or a
-                ``micro_batch_size`` that is not a positive int; or dp ranks with different
-                numbers of micro-batches.
+                ``micro_batch_size`` that is not a positive int; dp ranks with different
+                numbers of fixed-size micro-batches; a sequence longer than
+                ``max_tokens_per_micro_batch`` on any dp rank.
         """
-        batch_size, micro = self._checked(batch, INFER_KEYS, micro_batch_size, "get_values")
-        self._check_dp_batch(batch_size, micro)
-        out = []
-        for start in range(0, batch_size, micro):
-            sl = slice(start, start + micro)
-            raw = self._forward(batch["input_ids"][sl], batch["attention_mask"][sl])
-            out.append(right_shift_values(raw).float().cpu())
-        return torch.cat(out)
+        _, micro = self._checked(batch, INFER_KEYS, micro_batch_size, "get_values")
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for group in self._micro_batches(batch, micro):
+            if not group:
+                self._empty_forward()
+                continue
+            idx = torch.tensor(group)
+            ids, mask = batch["input_ids"][idx], batch["attention_mask"][idx]
+            if self.config.sequence_packing:
+                values = self._packed_values(ids, mask)
+            else:
+                values = right_shift_values(self._forward(ids, mask))
+            out[idx] = values.float().cpu()
+        return out
 
     def train(
         self, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None = None
@@ -191,9 +288,13 @@ class ValueWorker:
         summed over all micro-batches and dp ranks, so the update equals a single-process step
         on the whole global batch whatever the micro-batch size and dp degree. FSDP2 averages
         gradients over dp, so the loss is scaled by the dp size to turn that mean into a sum.
-        The gradient 2-norm over the whole mesh is clipped to ``config.max_grad_norm``; a
-        non-finite norm skips the optimiser and scheduler step (logged, and reported as
-        ``critic/skipped_step = 1``).
+        The gradient 2-norm over the whole mesh (one all-reduce over the flattened mesh) is
+        clipped to ``config.max_grad_norm``; a non-finite norm skips the optimiser and
+        scheduler step (logged, and reported as ``critic/skipped_step = 1``). With
+        ``config.max_tokens_per_micro_batch`` sequences are grouped by length and every dp
+        rank runs the same number of micro-batches (empty ones run a zero-weight dummy pass);
+        with ``config.sequence_packing`` each micro-batch runs as packed rows. Neither changes
+        the update: the normalisation by global valid tokens makes it grouping-independent.
 
         Returns:
             Global metrics (identical on every rank): ``critic/loss``, ``critic/clip_fraction``,
@@ -210,36 +311,51 @@ class ValueWorker:
                 ``old_values`` or ``returns`` where ``loss_mask`` is 1 (key and position
                 named), or a ``micro_batch_size`` that is not a positive int; an all-zero
                 ``loss_mask`` over the global batch; dp ranks with different numbers of
-                micro-batches. Nothing is changed then.
+                fixed-size micro-batches; a sequence longer than
+                ``max_tokens_per_micro_batch`` on any dp rank. Nothing is changed then.
         """
-        batch_size, micro = self._checked(batch, TRAIN_KEYS, micro_batch_size, "train")
-        self._check_dp_batch(batch_size, micro)
+        _, micro = self._checked(batch, TRAIN_KEYS, micro_batch_size, "train")
+        groups = self._micro_batches(batch, micro)
         (global_tokens,) = self._dp_all_reduce([float(batch["loss_mask"].sum())], dist.ReduceOp.SUM)
         if global_tokens == 0:
             raise ValueError("loss_mask has no valid tokens in the whole batch")
         dp_size = self.config.dp
         stats = ValueStats()
-        starts = list(range(0, batch_size, micro))
         self.optimizer.zero_grad(set_to_none=True)
-        for i, start in enumerate(starts):
-            sl = slice(start, start + micro)
-            self.model.set_requires_gradient_sync(i == len(starts) - 1)
-            raw = self._forward(batch["input_ids"][sl], batch["attention_mask"][sl])
+        for i, group in enumerate(groups):
+            self.model.set_requires_gradient_sync(i == len(groups) - 1)
+            if not group:  # padding micro-batch: same collectives, zero gradient
+                (self._empty_forward().sum() * 0.0).backward()
+                continue
+            sl = torch.tensor(group)
             mask = batch["loss_mask"][sl].to(self.device)
             returns = batch["returns"][sl].to(self.device)
-            out = self.loss_fn(
-                raw,
-                batch["old_values"][sl].to(self.device),
-                returns,
-                mask,
-                num_valid_tokens=global_tokens,
-            )
+            old_values = batch["old_values"][sl].to(self.device)
+            ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
+            if self.config.sequence_packing:
+                # shifted per sequence inside the packed rows, so the inner (unshifted) loss
+                out = self.loss_fn.inner(
+                    self._packed_values(ids, attention),
+                    old_values,
+                    returns,
+                    mask,
+                    num_valid_tokens=global_tokens,
+                )
+            else:
+                out = self.loss_fn(
+                    self._forward(ids, attention),
+                    old_values,
+                    returns,
+                    mask,
+                    num_valid_tokens=global_tokens,
+                )
             (out.loss * dp_size).backward()
             stats.update(values=out.values, returns=returns, mask=mask)
             stats.add_loss(out.loss_sum, out.clipped_tokens)
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # one all-reduce over the flattened (dp, tp) mesh, not one per mesh dimension
+        grad_norm = clip_grad_norm_flat(
+            self.model.parameters(), self.config.max_grad_norm, self.mesh_group
+        )
         lr = float(self.scheduler.get_last_lr()[0])
         skipped = not math.isfinite(grad_norm)
         if skipped:
