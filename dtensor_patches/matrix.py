@@ -200,10 +200,12 @@ def ensure_venv(path: Path, release: str) -> Path:
     return python
 
 
-def _cell(row: dict[str, Any] | None) -> str:
+def _cell(row: dict[str, Any] | None, release: str = "") -> str:
     if row is None:
         return "n/a"
     stock = "ok" if row["stock"] is None else ("FAIL" if "Error" in row["stock"] else "WRONG")
+    if row["patched"] is not None and _known_gap(row["patch"], release):
+        return f"{stock} (known gap)"
     patched = "ok" if row["patched"] is None else "**BROKEN**"
     if row["stock"] is None and row["patched"] is None:
         return "ok"
@@ -264,7 +266,7 @@ def render(results: dict[str, list[dict[str, Any]]]) -> str:
     ]
     for name in names:
         gate = format_gate(next(index[(r, name)]["gate"] for r in releases if (r, name) in index))
-        cells = [_cell(index.get((r, name))) for r in releases]
+        cells = [_cell(index.get((r, name)), r) for r in releases]
         lines.append(f"| `{name}` | `{gate}` | " + " | ".join(cells) + " |")
     lines += ["", "## What stock torch does", ""]
     for name in names:

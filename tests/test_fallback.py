@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dtensor_patches.fallback  # noqa: F401 - the tests call dtensor_patches.fallback.*
 from dtensor_patches.testing import RankPool
 
 _SETTINGS = settings(
