@@ -142,7 +142,8 @@ def run_rank(
 ) -> dict[str, Any]:
     """On every rank: build, parallelise, run each ``logits_to_keep``; return diffs or errors.
 
-    ``only``: with ``use_patches``, apply only these patches (``apply_all(only=...)``).
+    ``only``: with ``use_patches``, apply only these patches (``apply_all(only=...)``), with
+    the call fallback off.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -151,7 +152,9 @@ def run_rank(
 
     import dtensor_patches
 
-    report = dtensor_patches.apply_all(only=only) if use_patches else None
+    # ``only``: exactly these patches, with the fallback off (it would hide a missing one).
+    fallback = "off" if only is not None else None
+    report = dtensor_patches.apply_all(only=only, fallback=fallback) if use_patches else None
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_qwen2_config()).eval()
     reference = copy.deepcopy(model)
@@ -197,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         help="values to run (0 keeps every position: the whole-dim slice that needs the patch)",
     )
     parser.add_argument(
-        "--only", nargs="*", metavar="PATCH", help="apply only these patches (none: stock)"
+        "--only",
+        nargs="*",
+        metavar="PATCH",
+        help="apply only these patches, fallback off (none: stock)",
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument(
