@@ -39,6 +39,7 @@ from dtensor_patches._repro import Case, randn, run_cases
 from dtensor_patches.errors import LostWriteError
 from dtensor_patches.handlers import shard_of
 from dtensor_patches.patch import MissRule, Patch, Registration
+from dtensor_patches.patches.inplace_writes import _is_spec, _writes_self
 
 __all__ = ["PATCH", "tracked_view_class"]
 
@@ -50,22 +51,6 @@ def _dtensor_class() -> Any:
 
 
 _IS_VIEW: dict[Any, bool] = {}
-_WRITES_SELF: dict[Any, bool] = {}
-
-
-def _writes_self(op: Any) -> bool:
-    """An in-place op: its first argument is written (``Tensor(a!) self``), not an ``out=``."""
-    known = _WRITES_SELF.get(op)
-    if known is None:
-        arguments = op._schema.arguments
-        first = arguments[0].alias_info if arguments else None
-        known = bool(first is not None and first.is_write and not any(a.is_out for a in arguments))
-        _WRITES_SELF[op] = known
-    return known
-
-
-def _is_spec(value: Any) -> bool:
-    return isinstance(value, compat.dtensor_types().DTensorSpec)
 
 
 def _is_view_op(op: Any) -> bool:
