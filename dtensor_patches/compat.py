@@ -50,7 +50,6 @@ __all__ = [
     "clear_sharding_caches",
     "current_autograd_node",
     "custom_op_handlers",
-    "dispatch_mode_base",
     "dispatch_mode_class",
     "dtensor_class",
     "dtensor_types",
@@ -1125,7 +1124,7 @@ def has_decomposition(op_name: str) -> bool:
     return bool(has_kernel(qualified, torch._C.DispatchKey.CompositeImplicitAutograd))
 
 
-def dispatch_mode_class() -> Any:
+def dispatch_mode_class() -> type:
     """``torch.utils._python_dispatch.TorchDispatchMode``: a mode sees every op call at the
     Python dispatch key, before DTensor's own dispatch (the C++ fast path on 2.10+ included).
 
@@ -1151,24 +1150,6 @@ def dispatch_mode_class() -> Any:
 # ``dtensor_patches.verify`` is an opt-in debugging tool: a ``TorchDispatchMode`` sees every
 # DTensor call at the top of dispatch (forward and backward), gathers its inputs and runs the
 # same op on full tensors. The private pieces it needs are here.
-
-
-def dispatch_mode_base() -> type:
-    """``torch.utils._python_dispatch.TorchDispatchMode`` (stable in 2.9 to 2.15).
-
-    Raises:
-        PatchError: the class moved.
-    """
-    try:
-        from torch.utils import _python_dispatch
-    except ImportError as exc:
-        raise PatchError(
-            f"torch {torch.__version__} has no torch.utils._python_dispatch",
-            internal="torch.utils._python_dispatch",
-        ) from exc
-    return _attr(
-        _python_dispatch, "TorchDispatchMode", "torch.utils._python_dispatch.TorchDispatchMode"
-    )
 
 
 def current_autograd_node() -> Any:

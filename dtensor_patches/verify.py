@@ -370,7 +370,7 @@ class _Checker:
 
 @functools.cache
 def _mode_class() -> type:
-    base = compat.dispatch_mode_base()
+    base = compat.dispatch_mode_class()
 
     class VerifyMode(base):  # type: ignore[misc, valid-type]
         """Runs every DTensor call through a :class:`_Checker`; other calls pass through."""
