@@ -11,8 +11,10 @@ CPU gloo mesh two ways, interleaved (strategy, fallback, strategy, …), repeate
 Bytes are what the collectives issued in the call move into one rank (all_gather: the other
 ranks' shards; all_reduce / reduce_scatter: the tensor; all_to_all: the input), counted by a
 dispatch mode over ``_c10d_functional`` ops. ``fallback alone`` says whether stock torch with
-only the fallback on (the patch not applied, nothing forced) gives the single-device result:
-where it does, the patch adds only speed.
+only the fallback on (the patch not applied, nothing forced) gives the single-device result on
+the patch's whole reproducer: where it does, the patch adds only speed.
+
+``--combine A.json B.json`` prints the README's table from saved runs.
 
     python benchmarks/fallback_costs.py --json docs/benchmarks/fallback_costs-<torch>.json
 """
@@ -39,6 +41,12 @@ class _Bytes(TorchDispatchMode):
         self.bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor dispatch with this mode still active, so the collectives it issues
+            # on local tensors come through here (as CommDebugMode does).
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         namespace = getattr(func, "namespace", "")
         if namespace in ("_c10d_functional", "c10d_functional") and args:
@@ -69,6 +77,12 @@ def _forced_fallback(ops: set[Any]) -> Any:
     return rule
 
 
+def _gathered(op_call: Any, args: Any, kwargs: Any) -> Any:
+    from dtensor_patches import fallback
+
+    return fallback.run_gathered(op_call, tuple(args), dict(kwargs), "forced")
+
+
 def _time(fn: Any) -> tuple[float, int]:
     mode = _Bytes()
     start = time.perf_counter()
@@ -84,7 +98,7 @@ def _on_rank(repeats: int) -> list[dict[str, Any]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from dtensor_patches import compat, fallback, registry
-    from dtensor_patches._repro import _to_dtensor, run_case
+    from dtensor_patches._repro import _to_dtensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rows = []
@@ -106,9 +120,12 @@ def _on_rank(repeats: int) -> list[dict[str, Any]]:
             args = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
             case.fn(*args)
 
+        # The whole reproducer (every case), the patch not applied, only the fallback on.
         fallback.install("warn")
-        alone = run_case(mesh, case)
-        fallback.uninstall()
+        try:
+            alone = patch.reproduce(mesh)
+        finally:
+            fallback.uninstall()
         ops = {compat.resolve_op(name) for name in patch.ops}
         samples: dict[str, list[float]] = {"patch": [], "fallback": []}
         moved: dict[str, int] = {}
@@ -119,13 +136,24 @@ def _on_rank(repeats: int) -> list[dict[str, Any]]:
                     patch.apply()
                 else:
                     fallback.install("warn")
+                    forced = _forced_fallback(ops)
+                    key = compat.any_op_key(forced)
                     compat.install_owned(
                         owner,
-                        [compat.ANY_OP],
-                        lambda ops=ops: compat.register_miss_rule(
-                            compat.ANY_OP, _forced_fallback(ops)
-                        ),
+                        [key],
+                        lambda key=key, forced=forced: compat.register_miss_rule(key, forced),
                     )
+                    # Ops torch sends to a custom handler never reach propagation: replace
+                    # the handler with the fallback's computation for the duration.
+                    handled = [op for op in ops if compat.has_native_handler(op)]
+                    if handled:
+                        compat.install_owned(
+                            owner,
+                            handled,
+                            lambda handled=handled: [
+                                compat.register_custom_handler(op, _gathered) for op in handled
+                            ],
+                        )
                     compat.clear_sharding_caches()
                 try:
                     call()  # warm: propagation caches, first-call logging
@@ -157,11 +185,50 @@ def _on_rank(repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _cell(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e3:.2f}" if unit == "ms" else f"{int(value)}"
+
+
+def combine(paths: list[Path]) -> str:
+    """The README table from saved ``--json`` runs: per patch and release, whether the fallback
+    alone is correct (then the patch adds only speed) and both ways' time and bytes."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    lines = [
+        "| patch | torch | fallback alone | patch ms | fallback ms | patch bytes | fallback bytes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    names: list[str] = []
+    for run in runs:
+        names += [r["patch"] for r in run["rows"] if r["patch"] not in names]
+    for name in names:
+        for run in runs:
+            row = next((r for r in run["rows"] if r["patch"] == name), None)
+            if row is None:
+                continue
+            alone = (
+                "correct: **adds only speed**"
+                if row["fallback_alone"] is None
+                else "wrong or raises"
+            )
+            lines.append(
+                f"| `{name}` | {run['torch'].split('+')[0]} | {alone} | "
+                f"{_cell(row['patch_s'], 'ms')} | {_cell(row['fallback_s'], 'ms')} | "
+                f"{_cell(row['patch_bytes'], 'B')} | {_cell(row['fallback_bytes'], 'B')} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--combine", nargs="+", type=Path, help="print the table of saved runs")
     args = parser.parse_args()
+    if args.combine:
+        print(combine(args.combine))
+        return 0
     from dtensor_patches.testing import RankPool
 
     with RankPool(2, timeout=1200) as pool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dtensor_patches.errors import LostWriteError, PatchError
+from dtensor_patches.errors import LostWriteError, MixedTensorError, PatchError
 
 if TYPE_CHECKING:
     from dtensor_patches.fallback import FALLBACK_ENV, FallbackRecord, fallback_report
@@ -77,6 +77,7 @@ __all__ = [
     "Handler",
     "LostWriteError",
     "Mismatch",
+    "MixedTensorError",
     "Outcome",
     "Patch",
     "PatchError",

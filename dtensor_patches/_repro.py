@@ -118,6 +118,12 @@ def run_case(mesh: Any, case: Case) -> str | None:
         return f"{case.label}: {len(got_list)} outputs != {len(expected_list)}"
     for i, (e, g) in enumerate(zip(expected_list, got_list, strict=True)):
         if isinstance(e, torch.Tensor):
+            if hasattr(g, "full_tensor") and tuple(g.shape) != tuple(e.shape):
+                # The DTensor's own shape is what later ops see, whatever its shards hold.
+                return (
+                    f"{case.label}: output {i}: the DTensor reports shape {tuple(g.shape)}, "
+                    f"the single-device result has {tuple(e.shape)}"
+                )
             full, error = failure_of(
                 lambda g=g: g.full_tensor() if hasattr(g, "full_tensor") else g
             )

@@ -76,9 +76,26 @@ def _details(label: str, text: object) -> None:
         _print(line)
 
 
+def _fallback_alone_rows(args: argparse.Namespace, rows: list[dict[str, object]]) -> None:
+    """Add ``fallback_alone`` (``fixed``/``still wrong``/``not needed``) and ``after_fallback``
+    to each row: every reproducer that fails on stock torch, rerun with only the fallback on."""
+    from dtensor_patches.tripwire import run_tripwires, start_pool
+
+    pool = start_pool(args.world_size)
+    try:
+        results = run_tripwires([str(r["name"]) for r in rows], pool=pool, fallback_alone=True)
+    finally:
+        pool.close()
+    for row, result in zip(rows, results, strict=True):
+        row["fallback_alone"] = result.fallback_alone.value
+        row["after_fallback"] = result.after_fallback
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     _load_torch(args)
     rows = _patch_rows()
+    if args.fallback_alone:
+        _fallback_alone_rows(args, rows)
     if args.json:
         print(json.dumps({"torch_version": _torch_version(), "patches": rows}, indent=2))
         return 0
@@ -93,12 +110,22 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ]
         for r in rows
     ]
-    head, widths = _text.table(["patch", "gate", "this torch", "ops"], cells, flexible=3)
+    headers = ["patch", "gate", "this torch", "ops"]
+    if args.fallback_alone:
+        # Whether the fallback alone gives the single-device result on this torch: where it
+        # does, the patch adds only speed (benchmarks/fallback_costs.py measures how much).
+        headers.insert(3, "fallback alone")
+        for r, cell in zip(rows, cells, strict=True):
+            cell.insert(3, str(r["fallback_alone"]))
+    flexible = len(headers) - 1
+    head, widths = _text.table(headers, cells, flexible=flexible)
     for line in head:
         _print(line)
     for r, cell in zip(rows, cells, strict=True):
-        ops = _text.short_ops(r["ops"], widths[3])  # type: ignore[arg-type]
-        _print(_text.row_line([*cell[:3], ops], widths))
+        ops = _text.short_ops(r["ops"], widths[flexible])  # type: ignore[arg-type]
+        _print(_text.row_line([*cell[:flexible], ops], widths))
+        if args.verbose and r.get("after_fallback"):
+            _details("with the fallback alone", r["after_fallback"])
         if args.verbose:
             _details("what", r["summary"])
             _details("ops", ", ".join(r["ops"]))  # type: ignore[arg-type]
@@ -177,6 +204,8 @@ class _TripwireTable:
                 _details("stock torch", r.bug)
             if r.after_patch is not None:
                 _details("with patch", r.after_patch)
+            if r.fallback_alone.value != "not run":
+                _details("fallback alone", r.after_fallback or r.fallback_alone.value)
             for line in r.warnings:
                 _details("warning", line)
             _print(f"    {r.seconds:.1f} s")
@@ -216,6 +245,7 @@ def _run_tripwires(
         gate_overrides=overrides,
         pool=pool,
         on_result=table.add if table is not None else None,
+        fallback_alone=getattr(args, "fallback_alone", False),
     )
 
 
@@ -498,6 +528,15 @@ def _parser() -> argparse.ArgumentParser:
     p_list.add_argument(
         "-v", "--verbose", action="store_true", help="every op, upstream issue and fix"
     )
+    p_list.add_argument(
+        "--fallback-alone",
+        action="store_true",
+        help="run each patch's reproducer on stock torch with only the fallback on (spawns "
+        "ranks): does the fallback alone give the single-device result?",
+    )
+    p_list.add_argument(
+        "--world-size", type=int, default=2, help="ranks for --fallback-alone (default 2)"
+    )
     p_list.set_defaults(func=_cmd_list)
     for name, func, helptext in (
         (
@@ -531,6 +570,12 @@ def _parser() -> argparse.ArgumentParser:
             metavar="NAME=SPEC",
             help="check a proposed gate instead of the registered one, e.g. 'alias=>=2.9,<2.11' "
             "(repeatable)",
+        )
+        p.add_argument(
+            "--fallback-alone",
+            action="store_true",
+            help="also run each failing reproducer with only the fallback on (verdicts are "
+            "still judged with it off)",
         )
         if name == "doctor":
             p.add_argument("--no-check", action="store_true", help="skip the tripwires")

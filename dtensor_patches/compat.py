@@ -780,6 +780,16 @@ def _install_python_dispatch_hook(dispatcher: Any) -> None:
                 raise
             _HOOK_TLS.op = outer
             return divert.run(op_call, args, kwargs)
+        except AssertionError as error:
+            # 2.9 flattens list arguments only for ops with a strategy, so an op without one
+            # whose DTensors all sit in a list (``block_diag``, ``_chunk_cat``) is refused
+            # before propagation: a refusal the fallback takes like any other.
+            fallback = _FALLBACK[0]
+            if fallback is None or "found no DeviceMesh from dtensor args" not in str(error):
+                raise
+            _HOOK_TLS.op = outer
+            _note_decision(op_call, FALLBACK_DECISION)
+            return fallback(op_call, args, kwargs, error)
         finally:
             _HOOK_TLS.op = outer
 
@@ -1348,3 +1358,74 @@ def restore_module_functions() -> None:
 def module_functions_replaced() -> bool:
     """Whether :func:`replace_module_functions` replaced anything that is still in place."""
     return bool(_MODULE_ORIGINALS)
+
+
+# The mixed plain-tensor/DTensor check. DTensor asks ``OpDispatcher.
+# _try_replicate_spec_for_scalar_tensor`` what a plain tensor argument means, only for calls
+# that have one (never on the all-DTensor path): wrapping it costs nothing elsewhere. From 2.10
+# the C++ dispatch path makes the same check itself for most ops without calling it, so there
+# torch's own message stands; the Python path (2.9, and ops the C++ path hands back, such as
+# list arguments) gets the wrapped one.
+_SCALAR_CHECK = "_try_replicate_spec_for_scalar_tensor"
+_SCALAR_CHECK_ORIGINAL: list[Any] = []
+
+
+def wrap_mixed_tensor_check(
+    on_refusal: Callable[[Any, torch.Tensor, Any, RuntimeError], BaseException],
+) -> None:
+    """Route DTensor's refusal of a plain tensor argument (``got mixed torch.Tensor and
+    DTensor``) through ``on_refusal(op, plain_tensor, mesh, error)``, which returns the error
+    to raise instead. Idempotent; :func:`unwrap_mixed_tensor_check` undoes it.
+
+    Raises:
+        PatchError: ``OpDispatcher._try_replicate_spec_for_scalar_tensor`` moved.
+    """
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    current = _attr(OpDispatcher, _SCALAR_CHECK, f"OpDispatcher.{_SCALAR_CHECK}")
+    if _SCALAR_CHECK_ORIGINAL:
+        return
+    original = current
+
+    def checked(self: Any, op_call: Any, tensor_arg: torch.Tensor, compute_mesh: Any) -> Any:
+        try:
+            return original(self, op_call, tensor_arg, compute_mesh)
+        except RuntimeError as error:
+            if "mixed torch.Tensor and DTensor" not in str(error):
+                raise
+            raise on_refusal(op_call, tensor_arg, compute_mesh, error) from error
+
+    _SCALAR_CHECK_ORIGINAL.append(original)
+    setattr(OpDispatcher, _SCALAR_CHECK, checked)
+
+
+def unwrap_mixed_tensor_check() -> None:
+    """Put torch's own check back (no-op when not wrapped)."""
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    if _SCALAR_CHECK_ORIGINAL:
+        setattr(OpDispatcher, _SCALAR_CHECK, _SCALAR_CHECK_ORIGINAL.pop())
+
+
+def finish_inplace_view(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, spec: Any
+) -> Any:
+    """Give ``target`` (a DTensor an in-place view op such as ``squeeze_`` just changed, its
+    local tensor already changed) the output ``spec`` and make its outer size and strides match
+    (``torch.utils._python_dispatch.return_and_correct_aliasing``, which re-runs the op on the
+    wrapper's metadata only). Returns ``target``.
+
+    Raises:
+        PatchError: ``DTensor._spec`` or ``return_and_correct_aliasing`` moved.
+    """
+    try:
+        from torch.utils._python_dispatch import return_and_correct_aliasing
+    except ImportError as exc:
+        raise PatchError(
+            f"torch {torch.__version__} has no torch.utils._python_dispatch."
+            "return_and_correct_aliasing",
+            internal="torch.utils._python_dispatch.return_and_correct_aliasing",
+        ) from exc
+    _attr(target, "_spec", "DTensor._spec")
+    target._spec = spec
+    return return_and_correct_aliasing(op, args, kwargs, target)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LostWriteError", "PatchError"]
+__all__ = ["LostWriteError", "MixedTensorError", "PatchError"]
 
 
 class PatchError(RuntimeError):
@@ -25,3 +25,23 @@ class LostWriteError(RuntimeError):
     Raised by the ``inplace_writes`` patch instead of letting the write land in a temporary
     (what stock DTensor does when a view of a sharded dim had to be redistributed first).
     """
+
+
+class MixedTensorError(RuntimeError):
+    """A plain ``torch.Tensor`` (more than one element) was passed beside DTensors, and what it
+    means is not certain (torch: ``got mixed torch.Tensor and DTensor``).
+
+    The message names both readings and the one-line way to say which is meant:
+    ``torch.distributed.tensor.experimental.implicit_replication()`` when the plain tensor holds
+    the same values on every rank, ``dtensor_patches.gathered_locally()`` when it is this rank's
+    own data and the DTensor's full value is wanted. A ``RuntimeError``, as torch's is.
+
+    Attributes:
+        op: the op's name (``"aten.mm.default"``).
+        shape: the plain tensor's shape.
+    """
+
+    def __init__(self, message: str, *, op: str, shape: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.op = op
+        self.shape = shape

@@ -11,6 +11,12 @@ so each ``_foreach_*`` call sees one kind: the fix sits at the source, with no h
 ``_foreach_*`` ops (the optimizer's hot path), and costs one ``type()`` look per tensor per
 grouping.
 
+Elsewhere a plain tensor beside a DTensor is ambiguous: :func:`ambiguity_error` replaces
+torch's refusal with a :class:`~dtensor_patches.errors.MixedTensorError` that names both
+readings and how to choose (``implicit_replication()`` or :func:`gathered_locally`), where
+torch makes that check in Python (2.9; from 2.10 only for the calls its C++ dispatch path
+hands back to Python, such as ops with list arguments: elsewhere torch's message stands).
+
 ``clip_grad_norm_`` / ``get_total_norm`` over such lists compute the true global norm: one
 norm per kind (a DTensor group's norm is reduced over its mesh), combined exactly as torch
 combines per-tensor norms (``vector_norm`` of the stacked norms). The result is a plain tensor,
@@ -26,7 +32,15 @@ import torch
 
 from dtensor_patches import compat
 
-__all__ = ["clip_grads_with_norm", "grouped_by_kind", "install", "total_norm", "uninstall"]
+__all__ = [
+    "ambiguity_error",
+    "clip_grads_with_norm",
+    "gathered_locally",
+    "grouped_by_kind",
+    "install",
+    "total_norm",
+    "uninstall",
+]
 
 
 def _dtensor_class() -> Any:
@@ -170,12 +184,48 @@ def clip_grads_with_norm(
         original(group, max_norm, norm, foreach)
 
 
+def ambiguity_error(op: Any, plain: torch.Tensor, mesh: Any, error: RuntimeError) -> Exception:
+    """The error for a plain tensor ``plain`` beside DTensors on ``mesh`` in a call of ``op``
+    that DTensor refused (``error``): a :class:`~dtensor_patches.errors.MixedTensorError`
+    naming both readings and the one line that says which is meant."""
+    from dtensor_patches.errors import MixedTensorError
+
+    shape = tuple(plain.shape)
+    mesh_shape = "x".join(str(s) for s in getattr(mesh, "shape", ())) or "?"
+    return MixedTensorError(
+        f"{op}: a plain torch.Tensor of shape {list(shape)} is passed beside DTensors (mesh "
+        f"{mesh_shape}), and what it holds is ambiguous. Say which:\n"
+        "  - the same values on every rank (a causal mask beside sharded attention scores, a "
+        "constant): wrap the call in "
+        "`with torch.distributed.tensor.experimental.implicit_replication():` (it is taken "
+        "as Replicate());\n"
+        "  - this rank's own data, with the DTensor's full value wanted (an FSDP2 parameter "
+        "used outside its module, e.g. `hidden @ lm_head.weight.T`): wrap it in "
+        "`with dtensor_patches.gathered_locally():` (the DTensors are gathered, "
+        "differentiably, and the call runs on plain tensors);\n"
+        "  - or make it a DTensor yourself: `DTensor.from_local(t, mesh, placements)`.\n"
+        f"(torch: {str(error).splitlines()[0]})",
+        op=str(op),
+        shape=shape,
+    )
+
+
 def install() -> None:
-    """Replace torch's grouping and norm functions (all sites, or none).
+    """Replace torch's grouping and norm functions (all sites, or none), and name both readings
+    in DTensor's refusal of a plain tensor argument (:func:`ambiguity_error`).
 
     Raises:
-        PatchError: one of them moved (named in the error).
+        PatchError: one of them moved (named in the error; nothing is replaced then).
     """
+    compat.wrap_mixed_tensor_check(ambiguity_error)
+    try:
+        _replace_functions()
+    except BaseException:
+        compat.unwrap_mixed_tensor_check()
+        raise
+
+
+def _replace_functions() -> None:
     compat.replace_module_functions(
         {
             "_group_tensors_by_device_and_dtype": grouped_by_kind,
@@ -188,8 +238,9 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Put torch's functions back."""
+    """Put torch's functions and its mixed-tensor check back."""
     compat.restore_module_functions()
+    compat.unwrap_mixed_tensor_check()
 
 
 _WRAPPED: dict[Any, Any] = {}

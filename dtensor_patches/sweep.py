@@ -17,7 +17,8 @@ sample. Each (op, variant, placement) is classified as:
 - ``crash``: a rank process died (gloo aborts the process on a collective size mismatch) or the
   sweep failed outside a sample; the ranks are restarted and the sweep goes on;
 - ``skipped``: no sample fits the placement (every sample has a 0-d tensor, or a tensor whose
-  sharded dim is smaller than the world size), or the single-device reference itself fails.
+  sharded dim is smaller than the world size), the single-device reference itself fails, or
+  ``distribute_tensor`` cannot make the inputs DTensors (2.9: zero-size tensors).
 
 Sample eligibility: a sample is used for a placement only if it has no dropout (a non-zero
 ``dropout_p`` keyword), every tensor argument is at least 1-d and, for ``Shard(d)``, has size
@@ -618,6 +619,16 @@ def _run_sample(
         expected = ref_parts[0]
     try:
         d_inp, d_args, d_kwargs = _map((inp, args, kwargs), lambda t: _to_dtensor(t, placement))
+    except Exception as exc:  # noqa: BLE001 - inputs torch cannot distribute test no op
+        # torch 2.9's distribute_tensor refuses zero-size tensors (``negative padding``): the
+        # op is never called, so the sample says nothing about it.
+        return {
+            "outcome": "skipped",
+            "error_type": type(exc).__name__,
+            "error": "distribute_tensor: " + _first_line(exc),
+            "aten_op": "",
+        }
+    try:
         with torch.no_grad():
             actual = fn(d_inp, *d_args, **d_kwargs)
         if inplace:

@@ -10,6 +10,11 @@ gloo mesh:
 3. where the gate includes this torch, apply the patch alone and run the reproducer again: it
    must now match the single-device result -> otherwise **ineffective**. Then revert.
 
+With ``fallback_alone=True`` each reproducer that fails on stock torch runs once more with only
+the fallback installed (no patch): :attr:`TripwireResult.fallback_alone` says whether the
+fallback alone gives the single-device result, so a patch that adds nothing over it but speed
+is known. It never changes a verdict: the verdicts are judged with the fallback off.
+
 Torch's warnings during a tripwire (Python warnings such as ``index_reduce() is in beta``, and
 what torch logs, such as ``CPU process group does not support alltoall yet``) are not printed:
 they are recorded in :attr:`TripwireResult.warnings`, and ``dtensor-patches check -v`` shows
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
     from dtensor_patches.testing import RankPool
 
 __all__ = [
+    "FallbackAlone",
     "TripwireResult",
     "Verdict",
     "WithPatch",
@@ -54,6 +60,15 @@ class Verdict(str, enum.Enum):
         return self is Verdict.OK
 
 
+class FallbackAlone(str, enum.Enum):
+    """What the reproducer gave with only the fallback on (no patch applied)."""
+
+    FIXED = "fixed"  # the single-device result: the patch adds only speed
+    STILL_WRONG = "still wrong"  # ``after_fallback`` says what
+    NOT_NEEDED = "not needed"  # stock torch already gives the single-device result
+    NOT_RUN = "not run"  # not asked for (``fallback_alone=False``)
+
+
 class WithPatch(str, enum.Enum):
     """What the reproducer gave with the patch applied."""
 
@@ -71,6 +86,8 @@ class TripwireResult:
     ``None`` otherwise: :attr:`with_patch` tells ``fixed`` from ``not run``.
     ``warnings``: torch's warnings on the ranks while it ran (``"Category: message"``, each
     once); ``seconds``: wall time of this patch's run on the mesh.
+    ``fallback_alone``: what the reproducer gave with only the fallback on
+    (:class:`FallbackAlone`); ``after_fallback``: what was still wrong then, else ``None``.
     """
 
     patch: str
@@ -83,6 +100,8 @@ class TripwireResult:
     message: str
     warnings: tuple[str, ...] = ()
     seconds: float = 0.0
+    fallback_alone: FallbackAlone = FallbackAlone.NOT_RUN
+    after_fallback: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -99,6 +118,7 @@ class TripwireResult:
         (``"fixed"``/``"still wrong"``/``"not run"``), so no ``null`` is ambiguous."""
         data = asdict(self)
         data["verdict"] = self.verdict.value
+        data["fallback_alone"] = self.fallback_alone.value
         data["warnings"] = list(self.warnings)
         data["stock"] = "correct" if self.bug is None else "bug"
         data["with_patch"] = self.with_patch.value
@@ -118,6 +138,8 @@ class TripwireResult:
             message=data["message"],
             warnings=tuple(data.get("warnings", ())),
             seconds=float(data.get("seconds", 0.0)),
+            fallback_alone=FallbackAlone(data.get("fallback_alone", FallbackAlone.NOT_RUN.value)),
+            after_fallback=data.get("after_fallback"),
         )
 
 
@@ -199,24 +221,33 @@ def _torch_logs_recorded() -> Iterator[_Recorder]:
     # torch's loggers print through handlers of their own (on ``torch`` and some children);
     # swap them for the recorder while a tripwire runs, then put them back.
     recorder = _Recorder()
-    names = ["torch"] + [
+    # The fallback's own log (``dtensor_patches.fallback``, used by patches that gather by
+    # nature, such as ``as_strided``) is recorded the same way rather than printed.
+    names = ["torch", "dtensor_patches"] + [
         name
         for name, logger in logging.Logger.manager.loggerDict.items()
         if name.startswith("torch.") and isinstance(logger, logging.Logger) and logger.handlers
     ]
-    saved = {}
+    saved: dict[str, tuple[list[logging.Handler], bool]] = {}
     for name in names:
         logger = logging.getLogger(name)
-        saved[name] = logger.handlers[:]
-        logger.handlers = [recorder] if name == "torch" or saved[name] else []
+        saved[name] = (logger.handlers[:], logger.propagate)
+        top = name in ("torch", "dtensor_patches")
+        logger.handlers = [recorder] if top or saved[name][0] else []
+        if name == "dtensor_patches":
+            logger.propagate = False
     try:
         yield recorder
     finally:
-        for name, handlers in saved.items():
-            logging.getLogger(name).handlers = handlers
+        for name, (handlers, propagate) in saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers = handlers
+            logger.propagate = propagate
 
 
-def _on_rank(names: Sequence[str], gates: Mapping[str, str]) -> list[dict[str, object]]:
+def _on_rank(
+    names: Sequence[str], gates: Mapping[str, str], fallback_alone: bool = False
+) -> list[dict[str, object]]:
     from dtensor_patches import fallback
 
     # Runs on every rank of a RankPool; the reproducers are collective.
@@ -227,7 +258,7 @@ def _on_rank(names: Sequence[str], gates: Mapping[str, str]) -> list[dict[str, o
             warnings.simplefilter("always")
             # With the fallback off: a patch is never called needed or fixed because of it.
             with fallback.disabled():
-                row = _one_patch(name, gates)
+                row = _one_patch(name, gates, fallback_alone)
         lines = _warning_lines(caught)
         lines += [line for line in dict.fromkeys(logs.lines) if line not in lines]
         row["warnings"] = lines
@@ -236,8 +267,8 @@ def _on_rank(names: Sequence[str], gates: Mapping[str, str]) -> list[dict[str, o
     return out
 
 
-def _one_patch(name: str, gates: Mapping[str, str]) -> dict[str, Any]:
-    from dtensor_patches import compat, registry
+def _one_patch(name: str, gates: Mapping[str, str], fallback_alone: bool) -> dict[str, Any]:
+    from dtensor_patches import compat, fallback, registry
 
     mesh = _mesh()
     version = str(compat.torch_version())
@@ -253,6 +284,16 @@ def _one_patch(name: str, gates: Mapping[str, str]) -> dict[str, Any]:
             after_patch = _gather(patch.reproduce(mesh))
         finally:
             patch.revert()
+    alone, after_fallback = FallbackAlone.NOT_RUN, None
+    if fallback_alone:
+        alone = FallbackAlone.NOT_NEEDED
+        if bug is not None:
+            fallback.install("warn")
+            try:
+                after_fallback = _gather(patch.reproduce(mesh))
+            finally:
+                fallback.uninstall()
+            alone = FallbackAlone.FIXED if after_fallback is None else FallbackAlone.STILL_WRONG
     verdict, message = judge(
         patch=name,
         torch_version=version,
@@ -270,6 +311,8 @@ def _one_patch(name: str, gates: Mapping[str, str]) -> dict[str, Any]:
         "after_patch": after_patch,
         "verdict": verdict.value,
         "message": message,
+        "fallback_alone": alone.value,
+        "after_fallback": after_fallback,
     }
 
 
@@ -345,6 +388,7 @@ def run_tripwires(
     timeout: float = 600.0,
     pool: RankPool | None = None,
     on_result: Callable[[TripwireResult], None] | None = None,
+    fallback_alone: bool = False,
 ) -> list[TripwireResult]:
     """Run the tripwires of ``names`` (default: every registered patch) in fresh processes.
 
@@ -358,6 +402,8 @@ def run_tripwires(
         pool: ranks from :func:`start_pool` to run on (left open); default: a pool started
             and closed by this call.
         on_result: called with each result as soon as it is known (progress output).
+        fallback_alone: also run each reproducer that fails on stock torch with only the
+            fallback on (:attr:`TripwireResult.fallback_alone`); verdicts do not change.
 
     Raises:
         KeyError: an unknown patch name.
@@ -380,7 +426,7 @@ def run_tripwires(
     try:
         results = []
         for name in selected:
-            result = run_one(pool, name, gates)
+            result = run_one(pool, name, gates, fallback_alone=fallback_alone)
             results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -390,13 +436,19 @@ def run_tripwires(
             pool.close()
 
 
-def run_one(pool: RankPool, name: str, gates: Mapping[str, str] | None = None) -> TripwireResult:
+def run_one(
+    pool: RankPool,
+    name: str,
+    gates: Mapping[str, str] | None = None,
+    *,
+    fallback_alone: bool = False,
+) -> TripwireResult:
     """Run one patch's tripwire on ``pool``; warnings from every rank are merged.
 
     Raises:
         dtensor_patches.testing.RankError: a rank crashed.
     """
-    per_rank = pool.run(_on_rank, [name], dict(gates or {}))
+    per_rank = pool.run(_on_rank, [name], dict(gates or {}), fallback_alone)
     row = dict(per_rank[0][0])
     merged: list[str] = []
     for rank_rows in per_rank:

@@ -92,7 +92,12 @@ _OPS: dict[str, tuple[Callable[..., Any], tuple[int, ...], tuple[int, ...] | Non
         True,
     ),
     "unbind_sharded": (lambda x, y: torch.stack(x.unbind(0)) * 2, (5, 4), None, True),
-    "flatten_uneven": (lambda x, y: x.reshape(5, 2, 2).flatten(1, 2) + 1, (5, 4), None, True),
+    "flatten_uneven": (
+        lambda x, y: x.reshape(x.shape[0], 2, 2).flatten(1, 2) + 1,
+        (5, 4),
+        None,
+        True,
+    ),
     "fill_diagonal": (lambda x, y: x.clone().fill_diagonal_(3.0), (5, 4), None, False),
     "bincount": (lambda x, y: torch.bincount((x.abs() * 3).long().flatten()), (5, 4), None, False),
 }
@@ -109,10 +114,6 @@ def _op_case(
     import dtensor_patches
 
     fn, x_shape, y_shape, differentiable = _OPS[name]
-    if name == "conv3d_no_bias":
-        # A sharded weight meets torch's own convolution handler, which raises before
-        # propagation (README: what still fails): out of the fallback's reach.
-        other_placements = ["R"] * len(mesh_shape)
     x_shape = (x_rows, *x_shape[1:]) if name not in ("kron", "trace") else x_shape
     mesh = _mesh(mesh_shape)
     g = torch.Generator().manual_seed(seed)
@@ -153,9 +154,9 @@ def test_the_fallback_really_ran(pool2: RankPool) -> None:
 
 @_SETTINGS
 @given(
-    # conv3d is left out: with channel-sharded or Partial inputs torch's own convolution
-    # handler computes locally (wrong or raising) before propagation, out of the fallback's reach.
-    name=st.sampled_from(sorted(set(_OPS) - {"conv3d_no_bias"})),
+    # conv3d included: its layouts torch's handler cannot compute reach the fallback's
+    # machinery through the conv_layouts patch.
+    name=st.sampled_from(sorted(_OPS)),
     rows=st.integers(1, 7),
     placement=st.sampled_from(["S0", "S1", "R", "P"]),
     other=st.sampled_from(["S0", "R"]),
@@ -171,7 +172,9 @@ def test_ops_placements_uneven_shapes(
 @pytest.mark.parametrize(
     ("mesh_shape", "placements"), [((4,), ["S0"]), ((4,), ["S1"]), ((2, 2), ["S0", "S1"])]
 )
-@pytest.mark.parametrize("name", ["renorm", "cdist", "aminmax", "unbind_sharded", "take"])
+@pytest.mark.parametrize(
+    "name", ["renorm", "cdist", "aminmax", "unbind_sharded", "take", "conv3d_no_bias"]
+)
 def test_four_ranks_and_2d_mesh(
     pool4: RankPool, name: str, mesh_shape: tuple[int, ...], placements: list[str]
 ) -> None:
@@ -489,3 +492,64 @@ def _gathered_locally_case() -> dict[str, Any]:
 def test_gathered_locally_is_the_second_reading(pool2: RankPool) -> None:
     row = pool2.run(_gathered_locally_case)[0]
     assert row == {"mixed_refused": True, "plain": True, "value": None, "grad": None}
+
+
+def _ambiguous_case() -> dict[str, Any]:
+    from torch.distributed.tensor._dispatch import OpDispatcher
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    import dtensor_patches
+    from dtensor_patches import compat
+
+    mesh = _mesh((dist.get_world_size(),))
+    g = torch.Generator().manual_seed(8)
+    scores, mask = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    torch_check = OpDispatcher._try_replicate_spec_for_scalar_tensor
+    with dtensor_patches.patched():
+        wrapped = OpDispatcher._try_replicate_spec_for_scalar_tensor is not torch_check
+        sd = _place(scores.clone(), mesh, ["S1"])
+        try:
+            sd + mask
+            error: BaseException | None = None
+        except RuntimeError as exc:
+            error = exc
+        with implicit_replication():
+            got = sd + mask
+    restored = OpDispatcher._try_replicate_spec_for_scalar_tensor is torch_check
+    text = str(error)
+    return {
+        "python_path": not compat._uses_cpp_dispatch(),
+        "wrapped": wrapped,
+        "restored": restored,
+        "kind": type(error).__name__,
+        "names_both": "implicit_replication()" in text and "gathered_locally()" in text,
+        "torch_words_kept": "mixed torch.Tensor and DTensor" in text,
+        # implicit_replication: the mask, the same on every rank, taken as Replicate().
+        "first_reading": _same(_full(got), scores + mask),
+    }
+
+
+def test_ambiguous_plain_tensor_names_both_readings(pool2: RankPool) -> None:
+    row = pool2.run(_ambiguous_case)[0]
+    assert row["wrapped"] and row["restored"] and row["torch_words_kept"], row
+    assert row["first_reading"] is None, row
+    if row["python_path"]:
+        # torch 2.9 checks plain tensor arguments in Python: our error says both readings.
+        assert row["kind"] == "MixedTensorError" and row["names_both"], row
+    else:
+        # From 2.10 the C++ dispatch path raises torch's own error before any Python runs.
+        assert row["kind"] == "RuntimeError", row
+
+
+def test_ambiguity_error_message() -> None:
+    from dtensor_patches.errors import MixedTensorError
+    from dtensor_patches.mixed import ambiguity_error
+
+    error = ambiguity_error(
+        "aten.mm.default", torch.ones(3, 4), None, RuntimeError("aten.mm.default: got mixed")
+    )
+    assert isinstance(error, MixedTensorError) and isinstance(error, RuntimeError)
+    assert error.op == "aten.mm.default" and error.shape == (3, 4)
+    text = str(error)
+    for words in ("[3, 4]", "implicit_replication()", "gathered_locally()", "from_local"):
+        assert words in text, (words, text)

@@ -94,3 +94,27 @@ def test_judge_known_gap(bug: str | None, verdict: Verdict) -> None:
         patch="p", torch_version="2.10.0", in_gate=False, bug=bug, after_patch=None, known_gap=True
     )
     assert got is verdict, message
+
+
+def test_fallback_alone_is_measured_without_changing_the_verdict(pool2: RankPool) -> None:
+    from dtensor_patches.tripwire import FallbackAlone
+
+    # activations: no strategy for the backward ops on any release, so the fallback alone
+    # computes them; partial_item: silently wrong, a call torch runs, which the fallback never
+    # sees; alias: correct on stock 2.10+ (not needed), a missing strategy on 2.9 (fixed).
+    rows = {
+        name: TripwireResult.from_dict(pool2.run(_on_rank, [name], {}, True)[0][0])
+        for name in ("activations", "partial_item", "alias")
+    }
+    assert rows["activations"].fallback_alone is FallbackAlone.FIXED, rows["activations"]
+    assert rows["activations"].after_fallback is None
+    item = rows["partial_item"]
+    assert item.fallback_alone is FallbackAlone.STILL_WRONG and item.after_fallback, item
+    alias = rows["alias"]
+    expected = FallbackAlone.FIXED if alias.in_gate else FallbackAlone.NOT_NEEDED
+    assert alias.fallback_alone is expected, alias
+    for result in rows.values():
+        assert result.passed, result.message  # judged with the fallback off, as always
+        assert TripwireResult.from_dict(result.to_dict()) == result
+    plain = TripwireResult.from_dict(pool2.run(_on_rank, ["activations"], {})[0][0])
+    assert plain.fallback_alone is FallbackAlone.NOT_RUN

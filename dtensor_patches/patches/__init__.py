@@ -9,6 +9,7 @@ from dtensor_patches.patches import (
     alias,
     argmax_all,
     as_strided,
+    conv_layouts,
     count_nonzero,
     cumsum_inplace,
     cumsum_negative_dim,
@@ -19,6 +20,7 @@ from dtensor_patches.patches import (
     index_functional,
     index_put,
     index_writes,
+    inplace_view_shape,
     inplace_writes,
     isin_searchsorted,
     loss_parallel_backward,
@@ -44,6 +46,7 @@ from dtensor_patches.patches import (
     select_spec,
     squeeze,
     stack_dim,
+    t_of_vector,
     tp_tied_weights,
     unbind,
     unfold,
@@ -96,6 +99,9 @@ BUILTIN_PATCHES: tuple[Patch, ...] = (
     loss_parallel_keeps_patches.PATCH,
     tp_tied_weights.PATCH,
     as_strided.PATCH,
+    conv_layouts.PATCH,
+    inplace_view_shape.PATCH,
+    t_of_vector.PATCH,
 )
 
 __all__ = ["BUILTIN_PATCHES"]

@@ -13,8 +13,10 @@ Fix (a custom handler replacing torch's): without ``dim``, the input is gathered
 reduced) and the op runs once on the full tensor, so ties resolve exactly as on one device;
 the 0-d (or all-ones with ``keepdim``) index is ``Replicate()``. With ``dim`` the call goes to
 torch's own handler where there is one (2.10+, correct there and cheaper: it gathers only
-per-rank winners); on 2.9, which has none, the reduced dim is gathered and other shards stay.
-Measured failing on every release 2.9 to 2.15.
+per-rank winners), except for a 1-D input, where torch's handler raises on a reshape
+(``logits[-1].argmax(-1)`` of vocab-sharded logits: ``shape '[1, 4, 2]' is invalid``, measured on
+2.13); on 2.9, which has no handler, and for 1-D inputs, the reduced dim is gathered and other
+shards stay. Measured failing on every release 2.9 to 2.15.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _handler(native: Callable[..., Any] | None) -> Callable[..., Any]:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         if dim is not None:
-            if native is not None:
+            if native is not None and x.ndim > 1:
                 return native(op_call, args, kwargs)
             return _along_dim(op_call, x, dim, keepdim)
         # The whole tensor: gather once, so ties resolve in flattened order as on one device.
@@ -108,6 +110,13 @@ CASES = [
         ["S0"],
     ),
     Case("x.argmax(1) Shard(1)", lambda x: x.argmax(1), lambda: [randn(4, 6)], ["S1"]),
+    Case("v.argmax(-1) 1-D Shard(0)", lambda v: v.argmax(-1), lambda: [randn(6)], ["S0"]),
+    Case(
+        "argmin(v, 0, keepdim) 1-D Shard(0)",
+        lambda v: torch.argmin(v, 0, True),
+        lambda: [randn(5)],
+        ["S0"],
+    ),
 ]
 
 
