@@ -91,7 +91,7 @@ def _time(fn: Any) -> tuple[float, int]:
     return time.perf_counter() - start, mode.bytes
 
 
-def _on_rank(repeats: int) -> list[dict[str, Any]]:
+def _on_rank(repeats: int, skip_alone: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     import importlib
 
     import torch.distributed as dist
@@ -121,11 +121,14 @@ def _on_rank(repeats: int) -> list[dict[str, Any]]:
             case.fn(*args)
 
         # The whole reproducer (every case), the patch not applied, only the fallback on.
-        fallback.install("warn")
-        try:
-            alone = patch.reproduce(mesh)
-        finally:
-            fallback.uninstall()
+        alone: str | None = None
+        measured = patch.name not in skip_alone
+        if measured:
+            fallback.install("warn")
+            try:
+                alone = patch.reproduce(mesh)
+            finally:
+                fallback.uninstall()
         ops = {compat.resolve_op(name) for name in patch.ops}
         samples: dict[str, list[float]] = {"patch": [], "fallback": []}
         moved: dict[str, int] = {}
@@ -179,6 +182,7 @@ def _on_rank(repeats: int) -> list[dict[str, Any]]:
                 "patch_bytes": moved.get("patch"),
                 "fallback_bytes": moved.get("fallback"),
                 "fallback_alone": alone,
+                "alone_measured": measured,
                 "errors": errors,
             }
         )
@@ -207,11 +211,12 @@ def combine(paths: list[Path]) -> str:
             row = next((r for r in run["rows"] if r["patch"] == name), None)
             if row is None:
                 continue
-            alone = (
-                "correct: **adds only speed**"
-                if row["fallback_alone"] is None
-                else "wrong or raises"
-            )
+            if not row.get("alone_measured", True):
+                alone = "not measured"
+            elif row["fallback_alone"] is None:
+                alone = "correct: **adds only speed**"
+            else:
+                alone = "wrong or raises"
             lines.append(
                 f"| `{name}` | {run['torch'].split('+')[0]} | {alone} | "
                 f"{_cell(row['patch_s'], 'ms')} | {_cell(row['fallback_s'], 'ms')} | "
@@ -225,6 +230,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--combine", nargs="+", type=Path, help="print the table of saved runs")
+    parser.add_argument(
+        "--skip-alone",
+        nargs="*",
+        default=[],
+        metavar="PATCH",
+        help="do not run these patches' reproducers with the fallback alone (too slow)",
+    )
     args = parser.parse_args()
     if args.combine:
         print(combine(args.combine))
@@ -232,7 +244,7 @@ def main() -> int:
     from dtensor_patches.testing import RankPool
 
     with RankPool(2, timeout=1200) as pool:
-        rows = pool.run(_on_rank, args.repeats)[0]
+        rows = pool.run(_on_rank, args.repeats, tuple(args.skip_alone))[0]
     print(f"torch {torch.__version__}: patch vs fallback, 2 ranks, median of {args.repeats}")
     print(
         f"{'patch':22} {'case':40} {'patch ms':>9} {'fb ms':>9} {'patch B':>8} {'fb B':>8}  alone"
@@ -246,7 +258,11 @@ def main() -> int:
             f"{v:8d}" if v is not None else f"{'-':>8}"
             for v in (r["patch_bytes"], r["fallback_bytes"])
         ]
-        alone = "correct" if r["fallback_alone"] is None else "not enough"
+        alone = (
+            "not measured"
+            if not r["alone_measured"]
+            else ("correct" if r["fallback_alone"] is None else "not enough")
+        )
         print(f"{r['patch']:22} {r['case'][:40]:40} {ms[0]} {ms[1]} {by[0]} {by[1]}  {alone}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
