@@ -100,9 +100,16 @@ def _wrap(local: torch.Tensor | None, like: Any, placements: Any, batch: int | N
     )
 
 
-def _forward_handler() -> Callable[..., Any]:
+def _gathered(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """Every layout but the batch one: the fallback's computation on gathered inputs."""
     from dtensor_patches import fallback
 
+    return fallback.run_gathered(
+        op_call, tuple(args), dict(kwargs), "convolution layout torch's handler does not compute"
+    )
+
+
+def _forward_handler() -> Callable[..., Any]:
     def handle(op_call: Any, args: Any, kwargs: Any) -> Any:
         bound = compat.op_arguments(op_call, tuple(args), dict(kwargs))
         x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
@@ -113,19 +120,12 @@ def _forward_handler() -> Callable[..., Any]:
                 **kwargs,
             )
             return _wrap(local, x, x.placements, int(x.shape[0]))
-        return fallback.run_gathered(
-            op_call,
-            tuple(args),
-            dict(kwargs),
-            "convolution layout torch's handler does not compute",
-        )
+        return _gathered(op_call, args, kwargs)
 
     return handle
 
 
 def _backward_handler() -> Callable[..., Any]:
-    from dtensor_patches import fallback
-
     def handle(op_call: Any, args: Any, kwargs: Any) -> Any:
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -157,12 +157,7 @@ def _backward_handler() -> Callable[..., Any]:
                 _wrap(grad_weight, x, param_placements, None),
                 _wrap(grad_bias, x, param_placements, None),
             )
-        return fallback.run_gathered(
-            op_call,
-            tuple(args),
-            dict(kwargs),
-            "convolution layout torch's handler does not compute",
-        )
+        return _gathered(op_call, args, kwargs)
 
     return handle
 
