@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from packaging.version import Version
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dtensor_patches import compat
@@ -346,25 +345,7 @@ def run_fallback(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: 
         ) from error
     if not leaves:
         raise error
-    _refuse_unknowable(op, placements, error)
     return run_gathered(op, args, kwargs, _first_line(error), error=error)
-
-
-# Ops whose gathered result was measured wrong: ``as_strided`` and its copy/scatter forms
-# address the input's storage through its strides, and up to torch 2.12 a DTensor's reported
-# strides and offset are not those of the tensor it stands for (the ``as_strided`` patch, from
-# 2.13, handles the op itself). A clear error instead of a wrong value.
-_STRIDED_OPS = ("aten::as_strided", "aten::as_strided_copy", "aten::as_strided_scatter")
-
-
-def _refuse_unknowable(op: Any, placements: str, error: BaseException) -> None:
-    name = getattr(op, "name", lambda: "")()
-    if name in _STRIDED_OPS and compat.torch_release() < Version("2.13"):
-        raise PatchError(
-            f"{op} on DTensors {placements}: its strides address the input's storage, which a "
-            f"DTensor does not report faithfully on torch {compat.torch_version()}, so the "
-            "fallback cannot compute it correctly; call it on x.full_tensor() (a plain tensor)"
-        ) from error
 
 
 def run_gathered(
