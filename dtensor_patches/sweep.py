@@ -594,6 +594,17 @@ def _callable(op: Any, variant: str) -> Callable[..., Any] | None:
     return op.op
 
 
+def _skipped(stage: str, exc: BaseException) -> dict[str, str]:
+    """The record of a sample that tests no op: ``stage`` (the reference, or making the
+    DTensor inputs) raised ``exc``."""
+    return {
+        "outcome": "skipped",
+        "error_type": type(exc).__name__,
+        "error": f"{stage}: {_first_line(exc)}",
+        "aten_op": "",
+    }
+
+
 def _run_sample(
     fn: Callable[..., Any], sample: Any, placement: str, inplace: bool
 ) -> dict[str, str]:
@@ -609,12 +620,7 @@ def _run_sample(
         with torch.no_grad():
             expected = fn(ref_parts[0], *ref_parts[1], **ref_parts[2])
     except Exception as exc:  # noqa: BLE001 - a failing reference makes the sample unusable
-        return {
-            "outcome": "skipped",
-            "error_type": type(exc).__name__,
-            "error": "reference: " + _first_line(exc),
-            "aten_op": "",
-        }
+        return _skipped("reference", exc)
     if inplace:
         expected = ref_parts[0]
     try:
@@ -622,12 +628,7 @@ def _run_sample(
     except Exception as exc:  # noqa: BLE001 - inputs torch cannot distribute test no op
         # torch 2.9's distribute_tensor refuses zero-size tensors (``negative padding``): the
         # op is never called, so the sample says nothing about it.
-        return {
-            "outcome": "skipped",
-            "error_type": type(exc).__name__,
-            "error": "distribute_tensor: " + _first_line(exc),
-            "aten_op": "",
-        }
+        return _skipped("distribute_tensor", exc)
     try:
         with torch.no_grad():
             actual = fn(d_inp, *d_args, **d_kwargs)
