@@ -22,9 +22,19 @@ from typing import TYPE_CHECKING, Any
 from dtensor_patches.errors import LostWriteError, MixedTensorError, PatchError
 
 if TYPE_CHECKING:
-    from dtensor_patches.fallback import FALLBACK_ENV, FallbackRecord, fallback_report
-    from dtensor_patches.mixed import gathered_locally
-    from dtensor_patches.patch import Handler, Patch, Strategy
+    from dtensor_patches.dispatch.fallback import FALLBACK_ENV
+    from dtensor_patches.dispatch.fallback_report import FallbackRecord, fallback_report
+    from dtensor_patches.dispatch.mixed import gathered_locally
+    from dtensor_patches.health import PatchHealth, RegistryHealth, health
+    from dtensor_patches.patch import (
+        Handler,
+        LossParallelHandler,
+        MissRule,
+        Patch,
+        Strategy,
+        TrackViews,
+        WrappedFunction,
+    )
     from dtensor_patches.registry import (
         DISABLE_ENV,
         all_patches,
@@ -36,16 +46,19 @@ if TYPE_CHECKING:
     )
     from dtensor_patches.report import Outcome, Report, Status
     from dtensor_patches.scan import scan
-    from dtensor_patches.status import PatchState, RegistryStatus, status
     from dtensor_patches.verify import Mismatch, VerifyError, VerifyReport, verify
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # name -> module that defines it; importing those modules imports torch.
 _LAZY = {
     "Handler": "dtensor_patches.patch",
+    "LossParallelHandler": "dtensor_patches.patch",
+    "MissRule": "dtensor_patches.patch",
     "Patch": "dtensor_patches.patch",
     "Strategy": "dtensor_patches.patch",
+    "TrackViews": "dtensor_patches.patch",
+    "WrappedFunction": "dtensor_patches.patch",
     "DISABLE_ENV": "dtensor_patches.registry",
     "all_patches": "dtensor_patches.registry",
     "apply_all": "dtensor_patches.registry",
@@ -57,17 +70,24 @@ _LAZY = {
     "Report": "dtensor_patches.report",
     "Status": "dtensor_patches.report",
     "scan": "dtensor_patches.scan",
-    "FALLBACK_ENV": "dtensor_patches.fallback",
-    "FallbackRecord": "dtensor_patches.fallback",
-    "fallback_report": "dtensor_patches.fallback",
-    "gathered_locally": "dtensor_patches.mixed",
-    "PatchState": "dtensor_patches.status",
-    "RegistryStatus": "dtensor_patches.status",
-    "status": "dtensor_patches.status",
+    "FALLBACK_ENV": "dtensor_patches.dispatch.fallback",
+    "FallbackRecord": "dtensor_patches.dispatch.fallback_report",
+    "fallback_report": "dtensor_patches.dispatch.fallback_report",
+    "gathered_locally": "dtensor_patches.dispatch.mixed",
+    "PatchHealth": "dtensor_patches.health",
+    "RegistryHealth": "dtensor_patches.health",
+    "health": "dtensor_patches.health",
     "Mismatch": "dtensor_patches.verify",
     "VerifyError": "dtensor_patches.verify",
     "VerifyReport": "dtensor_patches.verify",
     "verify": "dtensor_patches.verify",
+}
+
+# 0.1.0 names -> their 0.2.0 names (module:name); they warn for one release.
+_DEPRECATED = {
+    "status": "dtensor_patches.health:health",
+    "RegistryStatus": "dtensor_patches.health:RegistryHealth",
+    "PatchState": "dtensor_patches.health:PatchHealth",
 }
 
 __all__ = [
@@ -75,35 +95,50 @@ __all__ = [
     "FALLBACK_ENV",
     "FallbackRecord",
     "Handler",
+    "LossParallelHandler",
     "LostWriteError",
     "Mismatch",
+    "MissRule",
     "MixedTensorError",
     "Outcome",
     "Patch",
     "PatchError",
-    "PatchState",
-    "RegistryStatus",
+    "PatchHealth",
+    "RegistryHealth",
     "Report",
     "Status",
     "Strategy",
+    "TrackViews",
     "VerifyError",
     "VerifyReport",
+    "WrappedFunction",
     "__version__",
     "all_patches",
     "apply_all",
     "fallback_report",
     "gathered_locally",
     "get",
+    "health",
     "patched",
     "plan",
     "revert_all",
     "scan",
-    "status",
     "verify",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        import warnings
+
+        new_module, _, new_name = _DEPRECATED[name].partition(":")
+        warnings.warn(
+            f"dtensor_patches.{name} is now dtensor_patches.{new_name}; the old name goes in "
+            "the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(new_module), new_name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dtensor_patches' has no attribute {name!r}")

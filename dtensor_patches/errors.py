@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LostWriteError", "MixedTensorError", "PatchError"]
+__all__ = ["LostWriteError", "MixedTensorError", "PatchError", "first_line"]
 
 
 class PatchError(RuntimeError):
@@ -45,3 +45,9 @@ class MixedTensorError(RuntimeError):
         super().__init__(message)
         self.op = op
         self.shape = shape
+
+
+def first_line(error: BaseException) -> str:
+    """``"ExcType: first line of the message"``: how the library quotes an error in one line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

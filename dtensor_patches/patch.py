@@ -1,102 +1,62 @@
-"""What a patch is: its ops, its torch gate, its upstream references, how to apply, revert and reproduce it."""
+"""What a patch is: its ops, its torch gate, its upstream references, what it needs and concerns,
+how to apply, revert and reproduce it."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from dtensor_patches import compat
+from dtensor_patches import state
+from dtensor_patches._torch import tables as torch_tables
+from dtensor_patches._torch.dtensors import check_internals
+from dtensor_patches._torch.schemas import resolve_op
+from dtensor_patches._torch.versions import torch_release
+from dtensor_patches.calls import CallPredicate, needs_sharded_inputs
+from dtensor_patches.dispatch import registration
+from dtensor_patches.dispatch.handler import Handler, LossParallelHandler
+from dtensor_patches.dispatch.miss_rules import MissRule
+from dtensor_patches.dispatch.registration import Registration
+from dtensor_patches.dispatch.strategy import Strategy
+from dtensor_patches.dispatch.tracked_views import TrackViews
+from dtensor_patches.dispatch.wrappers import WrappedFunction
 from dtensor_patches.errors import PatchError
+from dtensor_patches.reproducers import Case, run_cases
 
-__all__ = ["Handler", "MissRule", "Patch", "Registration", "Strategy"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "REGISTRY_LOCK",
+    "Handler",
+    "LossParallelHandler",
+    "MissRule",
+    "Patch",
+    "Registration",
+    "Reproducer",
+    "Strategy",
+    "TrackViews",
+    "WrappedFunction",
+]
 
 log = logging.getLogger("dtensor_patches")
 
-# One lock for every change to torch's registry: patches may share torch's dicts.
-REGISTRY_LOCK = threading.RLock()
+REGISTRY_LOCK = state.LOCK
+"""The one lock around every change to torch's tables (``dtensor_patches.state.LOCK``)."""
+
+Reproducer = Callable[["DeviceMesh"], "str | None"]
+"""Runs collectively on every rank of a mesh, with no patch of its own applied by the caller
+(only those it ``requires``), and says what is wrong: ``None`` when the result equals the
+single-device computation, else a one-line description of the failure or mismatch."""
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """Register ``fn(op_schema) -> OpStrategy | TupleStrategy`` as ``op``'s sharding strategy.
-
-    ``schema_info`` is a ``RuntimeSchemaInfo`` naming the non-tensor arguments that change the
-    decision (dims, flags); without it the propagation cache reuses one decision for all of them.
-    """
-
-    op: str
-    fn: Callable[[Any], Any]
-    schema_info: Any = None
-
-    def install(self) -> None:
-        compat.register_strategy(compat.resolve_op(self.op), self.fn, self.schema_info)
-
-
-@dataclass(frozen=True)
-class Handler:
-    """Route ``op`` on DTensors to ``fn(op_call, args, kwargs)``, before sharding propagation.
-
-    For ops that fail inside shape propagation (data-dependent output shapes), where no
-    strategy is ever consulted.
-    """
-
-    op: str
-    fn: Callable[..., object]
-
-    def install(self) -> None:
-        compat.register_custom_handler(compat.resolve_op(self.op), self.fn)
-
-
-@dataclass(frozen=True)
-class MissRule:
-    """Consult ``fn(op_schema, native)`` when a call of ``op`` meets sharding propagation
-    without a cached decision (see ``compat.register_miss_rule``).
-
-    ``native`` is torch's own decision (a ``compat.NativeDecision``, computed on demand).
-    ``fn`` returns ``None`` to keep it (cached as usual: later calls with that schema stay on
-    torch's fast path) or a function ``(op_call, args, kwargs) -> output`` that runs the call
-    instead (never cached). For fixes that only some calls of a common op need: the condition
-    is checked once per distinct schema, not on every call.
-    """
-
-    op: str  # "namespace.op.overload", or compat.ANY_OP for a rule that sees every op
-    fn: Callable[[Any, Any], Any]
-
-    def key(self) -> Any:
-        """The miss-rule table key: the op, or ``compat.any_op_key(fn)`` for every op."""
-        return compat.any_op_key(self.fn) if self.op == compat.ANY_OP else _key(self.op)
-
-    def install(self) -> None:
-        compat.register_miss_rule(self.key(), self.fn)
-
-
-def _key(name: str) -> Any:
-    return compat.resolve_op(name)
-
-
-def _keys_of(registration: Any) -> list[Any]:
-    """The registry keys a registration changes: its op's, or what it declares itself with a
-    ``keys()`` method (registrations of entries not keyed by an op, e.g. a torch function
-    that a patch wraps)."""
-    if isinstance(registration, MissRule):
-        return [registration.key()]
-    keys = getattr(registration, "keys", None)
-    return list(keys()) if callable(keys) else [_key(registration.op)]
-
-
-Registration = Strategy | Handler | MissRule
-
-# A reproducer runs collectively on every rank of a mesh, with no patch of its own applied
-# by the caller, and says what is wrong: ``None`` when the result is correct (equal to the
-# single-device computation), otherwise a one-line description of the failure or mismatch.
-Reproducer = Callable[[Any], "str | None"]
+def _release(version: Version | str | None) -> Version:
+    return torch_release() if version is None else Version(Version(str(version)).base_version)
 
 
 @dataclass(eq=False)
@@ -105,32 +65,40 @@ class Patch:
 
     Attributes:
         name: short identifier, used by ``only=``/``exclude=``, the CLI and
-            ``DTENSOR_PATCHES_DISABLE``.
+            ``DTENSOR_PATCHES_DISABLE``; names what the patch fixes, not a release.
         summary: one line on what the patch fixes.
         ops: the operators it touches, as ``"namespace.op.overload"`` strings. Every variant
             (in-place, ``out=``, other overloads) that needs the fix is listed.
-        gate: torch releases the patch is for, compared against
-            :func:`dtensor_patches.compat.torch_release` (pre-release, dev and local labels
-            dropped, so ``2.9.0a0+git…`` and ``2.9.1+cu130`` count as 2.9.0 and 2.9.1).
-        registrations: builds the strategies/handlers to install. Called at apply time only,
-            so importing the registry touches no torch internals.
-        reproduce: the reproducer (see ``Reproducer``): runs on a multi-rank mesh, returns
-            ``None`` when the result is right and a description of the bug otherwise.
+        gate: torch releases the patch is for, compared against the release the running torch
+            is or leads up to (``2.9.0a0+git…`` and ``2.9.1+cu130`` count as 2.9.0 and 2.9.1).
+        registrations: builds the registrations to install (strategies, handlers, miss rules,
+            tracked views, wrapped functions; :mod:`dtensor_patches.dispatch`). Called at
+            apply time only, so importing the registry touches no torch internals.
+        reproduce: the reproducer (see :data:`Reproducer`); defaults to judging ``cases``.
+        cases: the triggers the default reproducer runs (:class:`~dtensor_patches.reproducers.Case`);
+            benchmarks run them too.
+        concerns: which recorded calls (``scan()``) are the case this patch fixes, from their
+            placements (:mod:`dtensor_patches.calls`); default: any call with sharded inputs.
+        requires: patches whose effect this one's reproducer needs (the tripwire applies them
+            first; the registry orders them before this one).
         upstream_issue: the torch issue that reports the bug, when known.
         upstream_fix: the torch PR (and release) that fixed it, when known.
         replicates: ``True`` when the fix moves data to ``Replicate()`` instead of keeping a
-            sharding; the README's patch table shows it.
+            sharding; the patch table shows it.
         overrides_existing: ``True`` for fixes that replace a strategy torch already registers
             (wrong-result backports). Without it, an op that already has a strategy is never
             overridden and the patch is reported as skipped.
         out_variants: also register each strategy for its op's ``out=`` overload
-            (``cumprod.out``, ``logsumexp.out``, ``mean.out``…, found by
-            :func:`dtensor_patches.compat.out_variant`) where torch has none, or where the patch
-            overrides torch's. DTensor runs an ``out=`` call like the functional one and gives
-            the ``out`` DTensor the output placements.
+            (``cumprod.out``, ``logsumexp.out``, ``mean.out``…) where torch has none, or where
+            the patch overrides torch's. DTensor runs an ``out=`` call like the functional one
+            and gives the ``out`` DTensor the output placements.
         known_unfixable: releases outside the gate that still have the bug, where this patch
             cannot work (a torch mechanism it relies on is missing there). The tripwire accepts
-            the bug there and reports it as a known gap; the README lists it.
+            the bug there and reports it as a known gap.
+
+    Raises:
+        ValueError: an invalid name, no ops, or neither ``reproduce`` nor ``cases``.
+        TypeError: ``gate`` is not a ``SpecifierSet``.
     """
 
     name: str
@@ -138,7 +106,10 @@ class Patch:
     ops: tuple[str, ...]
     gate: SpecifierSet
     registrations: Callable[[], Sequence[Registration]]
-    reproduce: Reproducer
+    reproduce: Reproducer | None = None
+    cases: Sequence[Case] = ()
+    concerns: CallPredicate = needs_sharded_inputs
+    requires: tuple[str, ...] = ()
     upstream_issue: str | None = None
     upstream_fix: str | None = None
     replicates: bool = False
@@ -153,28 +124,30 @@ class Patch:
             raise ValueError(f"patch {self.name!r} lists no ops")
         if not isinstance(self.gate, SpecifierSet):
             raise TypeError(f"patch {self.name!r}: gate must be a packaging SpecifierSet")
+        if self.reproduce is None:
+            if not self.cases:
+                raise ValueError(f"patch {self.name!r} has neither a reproducer nor cases")
+            cases = tuple(self.cases)
+            self.reproduce = lambda mesh: run_cases(mesh, cases)
+
+    def reproduce_on(self, mesh: DeviceMesh) -> str | None:
+        """Run the reproducer on ``mesh`` (collectively, on every rank): ``None`` when the
+        result equals the single-device computation, else what is wrong."""
+        assert self.reproduce is not None  # filled in from ``cases`` at construction
+        return self.reproduce(mesh)
 
     def applies_to(self, version: Version | str | None = None) -> bool:
         """Whether the gate includes ``version`` (default: the running torch).
 
         Pre-release, dev and local labels are dropped before comparing.
         """
-        if version is None:
-            release = compat.torch_release()
-        else:
-            release = Version(Version(str(version)).base_version)
-        return self.gate.contains(release, prereleases=True)
+        return self.gate.contains(_release(version), prereleases=True)
 
     def is_known_gap(self, version: Version | str | None = None) -> bool:
         """Whether ``version`` (default: the running torch) is a declared known gap."""
         if self.known_unfixable is None:
             return False
-        release = (
-            compat.torch_release()
-            if version is None
-            else Version(Version(str(version)).base_version)
-        )
-        return self.known_unfixable.contains(release, prereleases=True)
+        return self.known_unfixable.contains(_release(version), prereleases=True)
 
     def with_gate(self, gate: SpecifierSet | str) -> Patch:
         """A copy of this patch with another gate (unapplied). Used to test the tripwires."""
@@ -182,8 +155,8 @@ class Patch:
 
     @property
     def is_applied(self) -> bool:
-        """Whether this patch's entries are installed (``compat`` keeps the one record)."""
-        return compat.is_applied(self)
+        """Whether this patch's entries are installed (the ledger keeps the one record)."""
+        return state.LEDGER.is_applied(self)
 
     def native_ops(self) -> list[str]:
         """The ops of this patch that torch (or someone else) already covers.
@@ -193,8 +166,8 @@ class Patch:
         """
         found = []
         for name in self.ops:
-            op = compat.resolve_op(name)
-            if compat.has_native_strategy(op) or compat.has_native_handler(op):
+            op = resolve_op(name)
+            if torch_tables.has_native_strategy(op) or torch_tables.has_native_handler(op):
                 found.append(name)
         return found
 
@@ -211,61 +184,47 @@ class Patch:
         Raises:
             PatchError: building or installing a registration failed (torch left untouched).
         """
-        with REGISTRY_LOCK:
+        with state.LOCK:
             if self.is_applied:
                 return False
-            # Ops torch already covers are left to torch, unless this patch exists to replace
-            # a wrong upstream strategy.
-            keep_native = set() if self.overrides_existing else set(self.native_ops())
             try:
-                registrations = list(self.registrations())
-                if any(not isinstance(r, Strategy) for r in registrations):
-                    compat.check_call_time_internals()
-                for registration in registrations:
-                    if registration.op not in self.ops and registration.op != compat.ANY_OP:
-                        raise PatchError(
-                            f"patch {self.name!r} registers {registration.op}, "
-                            "which is not in its ops list"
-                        )
-                derived = self._out_variant_registrations(registrations, keep_native)
-                wanted = [r for r in registrations if r.op not in keep_native] + derived
-                changed: list[Any] = []
-                for registration in wanted:
-                    changed += compat.install_owned(
-                        self, _keys_of(registration), registration.install
-                    )
-                compat.clear_sharding_caches()
-                compat.mark_applied(self, changed)
+                keep_native = set() if self.overrides_existing else set(self.native_ops())
+                wanted = self._wanted(list(self.registrations()), keep_native)
+                registration.install(self, wanted)
             except BaseException as exc:
-                compat.remove_owner(self)
-                compat.clear_sharding_caches()
                 if isinstance(exc, PatchError) or not isinstance(exc, Exception):
                     raise
                 raise PatchError(f"patch {self.name!r} failed to install: {exc!r}") from exc
             log.info("dtensor_patches: applied %s (%s)", self.name, ", ".join(self.ops))
             return True
 
-    def _out_variant_registrations(
-        self, registrations: Sequence[Registration], keep_native: set[str]
-    ) -> list[Strategy]:
-        """Strategies for the ``out=`` overloads of this patch's strategy ops (see
-        ``out_variants``); ops listed in ``ops`` are the patch's own business."""
-        if not self.out_variants:
-            return []
-        derived = []
-        for registration in registrations:
-            if not isinstance(registration, Strategy) or registration.op in keep_native:
-                continue
-            name = compat.out_variant(registration.op)
-            if name is None or name in self.ops:
-                continue
-            op = compat.resolve_op(name)
-            if compat.has_single_dim_strategy(op):
-                continue  # would be ignored by DTensor (2.11+): torch's stays in charge
-            if compat.has_native_strategy(op) and not self.overrides_existing:
-                continue
-            derived.append(Strategy(name, registration.fn, registration.schema_info))
-        return derived
+    def _wanted(
+        self, registrations: list[Registration], keep_native: set[str]
+    ) -> list[Registration]:
+        """The registrations to install: those not about ops torch covers, plus the ``out=``
+        strategies derived from them (see ``out_variants``).
+
+        Raises:
+            PatchError: a registration concerns an op not in ``ops``.
+        """
+        if any(not isinstance(r, Strategy) for r in registrations):
+            check_internals()
+        for r in registrations:
+            stray = [op for op in r.concerns if op not in self.ops]
+            if stray:
+                raise PatchError(
+                    f"patch {self.name!r} registers {', '.join(stray)}, which is not in its "
+                    "ops list"
+                )
+        wanted = [r for r in registrations if not r.concerns or not set(r.concerns) <= keep_native]
+        if self.out_variants:
+            for r in registrations:
+                if not isinstance(r, Strategy) or r.op in keep_native:
+                    continue
+                derived = r.out_variant(overriding=self.overrides_existing)
+                if derived is not None and derived.op not in self.ops:
+                    wanted.append(derived)
+        return wanted
 
     def revert(self) -> bool:
         """Take this patch's entries out again: each op falls back to what it was before, or
@@ -277,10 +236,14 @@ class Patch:
         Raises:
             PatchError: a propagation cache moved (the entries are restored regardless).
         """
-        with REGISTRY_LOCK:
+        with state.LOCK:
             if not self.is_applied:
                 return False
-            compat.remove_owner(self)
-            log.info("dtensor_patches: reverted %s", self.name)
-            compat.clear_sharding_caches()
+            log.info("dtensor_patches: reverting %s", self.name)
+            registration.remove(self)
             return True
+
+    def installed(self) -> list[str]:
+        """The keys of every entry this patch holds now (op names, rule keys, function
+        names), as strings, sorted: what the compatibility matrix records as its installs."""
+        return sorted({str(key) for (_table, key) in state.LEDGER.owned(self)})

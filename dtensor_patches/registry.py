@@ -5,50 +5,93 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Collection, Iterator
 
-from dtensor_patches import compat
-from dtensor_patches import fallback as _fallback
+from dtensor_patches import state
 from dtensor_patches._text import format_gate
+from dtensor_patches._torch.versions import torch_release, torch_version
+from dtensor_patches.dispatch import fallback as _fallback
 from dtensor_patches.errors import PatchError
-from dtensor_patches.patch import REGISTRY_LOCK, Patch
+from dtensor_patches.patch import Patch
 from dtensor_patches.report import Outcome, Report, Status
 
-__all__ = ["DISABLE_ENV", "all_patches", "apply_all", "get", "patched", "plan", "revert_all"]
+__all__ = [
+    "DISABLE_ENV",
+    "RENAMED",
+    "all_patches",
+    "apply_all",
+    "get",
+    "patched",
+    "plan",
+    "revert_all",
+]
 
 log = logging.getLogger("dtensor_patches")
 
 DISABLE_ENV = "DTENSOR_PATCHES_DISABLE"
 """Comma-separated patch names to switch off without code changes, or ``all``."""
 
-# Patches applied by apply_all(), oldest first; revert_all() walks it backwards.
-_applied_order: list[Patch] = []
+RENAMED: dict[str, str] = {
+    "reductions_2_9": "dim_reductions",
+    "pointwise_2_10": "elementwise_strategies",
+    "pointwise_gaps": "elementwise_strategies",
+    "pointwise_2_11": "ne_glu_entr",
+    "mse_loss": "elementwise_losses",
+}
+"""Old patch names (0.1.0) -> the patch that now holds the fix. Accepted everywhere a name is
+(``get``, ``only=``, ``exclude=``, ``DTENSOR_PATCHES_DISABLE``, the CLI) with a
+``DeprecationWarning``, for one release."""
 
 
 def all_patches() -> tuple[Patch, ...]:
-    """Every registered patch, in application order."""
+    """Every registered patch, in application order.
+
+    Raises:
+        ValueError: a patch ``requires`` one that is unknown or comes after it.
+    """
     from dtensor_patches.patches import BUILTIN_PATCHES
 
     return BUILTIN_PATCHES
 
 
+def _current_name(name: str) -> str:
+    new = RENAMED.get(name)
+    if new is None:
+        return name
+    warnings.warn(
+        f"dtensor_patches: patch {name!r} is now {new!r}; the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return new
+
+
 def get(name: str) -> Patch:
-    """The registered patch called ``name``.
+    """The registered patch called ``name`` (an old name of :data:`RENAMED` warns).
 
     Raises:
         KeyError: no such patch (the message lists the known names).
     """
+    name = _current_name(name)
     for patch in all_patches():
         if patch.name == name:
             return patch
     raise KeyError(f"no patch named {name!r}; known: {', '.join(p.name for p in all_patches())}")
 
 
-def _check_names(names: Collection[str], where: str) -> None:
+def _names(names: Collection[str], where: str) -> set[str]:
+    """``names`` with old names replaced by new ones.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    current = {_current_name(n) for n in names}
     known = {p.name for p in all_patches()}
-    unknown = sorted(set(names) - known)
+    unknown = sorted(current - known)
     if unknown:
         raise ValueError(f"{where} names unknown patch(es) {unknown}; known: {sorted(known)}")
+    return current
 
 
 def _disabled_by_env() -> set[str] | None:
@@ -59,14 +102,13 @@ def _disabled_by_env() -> set[str] | None:
     names = {part.strip() for part in raw.split(",") if part.strip()}
     if "all" in names:
         return None
-    _check_names(names, f"{DISABLE_ENV}={raw!r}")
-    return names
+    return _names(names, f"{DISABLE_ENV}={raw!r}")
 
 
 def _decide(
     patch: Patch,
-    only: Collection[str] | None,
-    exclude: Collection[str],
+    only: set[str] | None,
+    exclude: set[str],
     disabled: set[str] | None,
 ) -> Outcome | None:
     """The outcome that needs no change to torch, or ``None`` when the patch should be applied."""
@@ -80,7 +122,7 @@ def _decide(
         return Outcome(
             patch.name,
             Status.GATED_OUT,
-            f"gate {format_gate(patch.gate)} excludes {compat.torch_release()}",
+            f"gate {format_gate(patch.gate)} excludes {torch_release()}",
         )
     if patch.is_applied:
         return Outcome(patch.name, Status.ALREADY_APPLIED)
@@ -98,12 +140,12 @@ def _applied_reason(patch: Patch) -> str:
     return f"left to torch: {', '.join(native)}" if native else ""
 
 
-def _validate_selection(only: Collection[str] | None, exclude: Collection[str]) -> None:
+def _selection(
+    only: Collection[str] | None, exclude: Collection[str]
+) -> tuple[set[str] | None, set[str]]:
     if isinstance(only, str) or isinstance(exclude, str):
         raise TypeError("only= and exclude= take a collection of patch names, not a string")
-    if only is not None:
-        _check_names(only, "only=")
-    _check_names(exclude, "exclude=")
+    return (None if only is None else _names(only, "only=")), _names(exclude, "exclude=")
 
 
 def plan(*, only: Collection[str] | None = None, exclude: Collection[str] = ()) -> Report:
@@ -111,19 +153,19 @@ def plan(*, only: Collection[str] | None = None, exclude: Collection[str] = ()) 
 
     Patches that would be applied are reported as ``Status.WOULD_APPLY``.
     """
-    _validate_selection(only, exclude)
-    with REGISTRY_LOCK:
+    chosen, excluded = _selection(only, exclude)
+    with state.LOCK:
         disabled = _disabled_by_env()
         outcomes = []
         for patch in all_patches():
             try:
-                decided = _decide(patch, only, exclude, disabled)
+                decided = _decide(patch, chosen, excluded, disabled)
             except PatchError as exc:
                 decided = Outcome(patch.name, Status.FAILED, str(exc))
             outcomes.append(
                 decided or Outcome(patch.name, Status.WOULD_APPLY, _applied_reason(patch))
             )
-    return Report(str(compat.torch_version()), tuple(outcomes))
+    return Report(str(torch_version()), tuple(outcomes))
 
 
 def apply_all(
@@ -145,8 +187,8 @@ def apply_all(
         exclude: never apply these patch names.
         strict: raise on any failure; the patches this call applied are then reverted too.
         fallback: what a DTensor call that torch still refuses does (see
-            :mod:`dtensor_patches.fallback`): ``"warn"`` (the default: it runs on gathered
-            inputs, logged once per op and placements, counted in
+            :mod:`dtensor_patches.dispatch.fallback`): ``"warn"`` (the default: it runs on
+            gathered inputs, logged once per op and placements, counted in
             ``dtensor_patches.fallback_report()``), ``"error"`` (a ``PatchError`` naming the op
             and the placements) or ``"off"`` (torch's own error).
             ``DTENSOR_PATCHES_FALLBACK`` overrides it.
@@ -159,40 +201,33 @@ def apply_all(
             an unknown fallback mode.
         PatchError: ``strict=True`` and a patch failed.
     """
-    _validate_selection(only, exclude)
+    chosen, excluded = _selection(only, exclude)
     fallback_mode = _fallback.resolve_mode(fallback)
-    with REGISTRY_LOCK:
+    with state.LOCK:
         disabled = _disabled_by_env()
         outcomes: list[Outcome] = []
         newly_applied: list[Patch] = []
         for patch in all_patches():
             try:
-                decided = _decide(patch, only, exclude, disabled)
+                decided = _decide(patch, chosen, excluded, disabled)
                 if decided is None:
                     reason = _applied_reason(patch)
                     patch.apply()
                     newly_applied.append(patch)
-                    _applied_order.append(patch)
                     decided = Outcome(patch.name, Status.APPLIED, reason)
             except PatchError as exc:
                 log.error("dtensor_patches: %s failed: %s", patch.name, exc)
                 decided = Outcome(patch.name, Status.FAILED, str(exc))
             outcomes.append(decided)
-        report = Report(str(compat.torch_version()), tuple(outcomes))
+        report = Report(str(torch_version()), tuple(outcomes))
+        failures = [f"{o.name}: {o.reason}" for o in report if o.status is Status.FAILED]
         fallback_error = _install_fallback(fallback_mode)
-        if strict and fallback_error is not None:
+        if fallback_error is not None:
+            failures.insert(0, fallback_error)
+        if strict and failures:
             for patch in reversed(newly_applied):
                 patch.revert()
-                _applied_order.remove(patch)
-            raise PatchError(f"strict apply_all failed, nothing applied: {fallback_error}")
-        if strict and report.failed:
-            for patch in reversed(newly_applied):
-                patch.revert()
-                _applied_order.remove(patch)
-            raise PatchError(
-                "strict apply_all failed, nothing applied: "
-                + "; ".join(f"{o.name}: {o.reason}" for o in report if o.status is Status.FAILED)
-            )
+            raise PatchError("strict apply_all failed, nothing applied: " + "; ".join(failures))
         log.info("%s", report)
         return report
 
@@ -207,17 +242,21 @@ def _install_fallback(mode: str) -> str | None:
     return None
 
 
-def revert_all() -> list[str]:
-    """Revert every patch applied through :func:`apply_all`, newest first.
+def _applied_patches() -> list[Patch]:
+    """The applied patches, oldest first (the ledger's one record)."""
+    return [owner for owner in state.LEDGER.applied() if isinstance(owner, Patch)]
 
-    Restores the exact registry entries that existed before, switches the fallback off and
-    clears the propagation caches. Returns the names reverted.
+
+def revert_all() -> list[str]:
+    """Revert every applied patch, newest first, and switch the fallback off.
+
+    Restores the exact registry entries that existed before and clears the propagation caches.
+    Returns the names reverted.
     """
-    with REGISTRY_LOCK:
+    with state.LOCK:
         _fallback.uninstall()
         reverted = []
-        while _applied_order:
-            patch = _applied_order.pop()
+        for patch in reversed(_applied_patches()):
             if patch.revert():
                 reverted.append(patch.name)
         return reverted
@@ -241,10 +280,7 @@ def patched(
     try:
         yield report
     finally:
-        with REGISTRY_LOCK:
+        with state.LOCK:
             _fallback.install(mode_before)
             for name in reversed(report.applied):
-                patch = get(name)
-                patch.revert()
-                if patch in _applied_order:
-                    _applied_order.remove(patch)
+                get(name).revert()

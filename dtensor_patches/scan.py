@@ -12,7 +12,7 @@ While the block runs, a dispatch mode records every distinct ``(op, input placem
 step calls on DTensors (the top-level calls DTensor's dispatch sees, forward and backward; not
 the local ops DTensor runs underneath). The prediction for each release comes from the data
 file shipped with the package (``dtensor_patches/data/releases.json``), which the matrix tool
-(``python -m dtensor_patches.matrix``) generates from each release's own DTensor registry and
+(``python -m tools.matrix`` in the repository) generates from each release's own DTensor registry and
 each patch's measured stock result. Per release it says which recorded ops have no strategy,
 which patch covers each, which are known to give wrong results (or fail) there, and which
 would fall back.
@@ -35,49 +35,13 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from dtensor_patches.calls import Call, needs_sharded_inputs
+from dtensor_patches.errors import first_line
+
 __all__ = ["Call", "Finding", "ReleaseVerdict", "Scan", "ScanReport", "release_data", "scan"]
 
 DATA_PACKAGE = "dtensor_patches.data"
 DATA_FILE = "releases.json"
-
-
-@dataclass
-class Call:
-    """One distinct ``(op, input placements)`` the step used.
-
-    Attributes:
-        op: ``"aten.op.overload"``.
-        inputs: one entry per tensor argument in call order (lists flattened, then keyword
-            arguments): a DTensor's placements, e.g. ``"S(1)"`` or ``"S(0)R"`` on a 2-D mesh,
-            ``"P(sum)"``, or ``"tensor"`` for a plain ``torch.Tensor`` (0-dim ones included).
-        count: how many calls had this key.
-        uneven: some call had a sharded dim whose size the mesh dim does not divide.
-    """
-
-    op: str
-    inputs: tuple[str, ...]
-    count: int = 0
-    uneven: bool = False
-
-    @property
-    def partial_inputs(self) -> bool:
-        return any(i.startswith("P") or "P(" in i for i in self.inputs)
-
-    @property
-    def sharded_inputs(self) -> bool:
-        return any(("S(" in i) or ("P(" in i) for i in self.inputs)
-
-    @property
-    def mixed(self) -> bool:
-        return "tensor" in self.inputs
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "op": self.op,
-            "inputs": list(self.inputs),
-            "count": self.count,
-            "uneven": self.uneven,
-        }
 
 
 def _placement_code(placement: Any) -> str:
@@ -185,10 +149,10 @@ def scan() -> Iterator[Scan]:
     Raises:
         PatchError: the dispatch-mode API moved in this torch.
     """
-    from dtensor_patches import compat
+    from dtensor_patches._torch.modes import dispatch_mode_class
 
     found = Scan()
-    mode_class = compat.dispatch_mode_class()
+    mode_class = dispatch_mode_class()
 
     class _Recorder(mode_class):  # type: ignore[misc, valid-type]
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -200,7 +164,7 @@ def scan() -> Iterator[Scan]:
         with _Recorder():
             yield found
     except BaseException as exc:
-        found.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        found.error = first_line(exc)
         raise
 
 
@@ -209,7 +173,8 @@ def scan() -> Iterator[Scan]:
 
 @functools.cache
 def release_data() -> dict[str, Any]:
-    """The shipped data file (see :mod:`dtensor_patches.matrix`): ``{"releases": {"2.9.1": …}}``.
+    """The shipped data file (made by the repository's ``tools/matrix.py``):
+    ``{"releases": {"2.9.1": …}}``.
 
     Raises:
         FileNotFoundError: the package was installed without its data file.
@@ -227,36 +192,16 @@ def _stock_kind(stock: str | None) -> str | None:
 
 
 def _trigger(patch: str, call: Call) -> bool | None:
-    """Whether ``call`` is the case ``patch`` fixes: ``True``/``False`` where the recorded
-    placements decide it, ``None`` where they cannot (a dim, a dtype, ties)."""
-    if patch == "select_spec":
-        return None  # corrupts the input spec unless sharded on the selected dim
-    if patch in ("inplace_writes", "cumsum_inplace"):
-        # Written targets that need a placement change: a Partial target (2.9-2.11 wrong,
-        # 2.12+ refused); a sharded target the op must gather.
-        if call.inputs and call.inputs[0].startswith("P"):
-            return True
-        return None if call.sharded_inputs else False
-    if patch == "partial_add_scalar":
-        # Partial + a Python number: the number was added on every rank.
-        if not call.partial_inputs:
-            return False
-        return True if call.inputs == ("P(sum)",) else None
-    if patch == "partial_int_cast":
-        return None if call.partial_inputs else False  # the dtype is not recorded
-    if patch == "mean_uneven":
-        return call.uneven  # even shards average correctly (measured)
-    if patch in ("mse_loss", "nll_loss"):
-        # Uneven shards are the measured case; even ones are wrong with a global-count
-        # backward (mse) or ignore_index/weights (nll), which placements do not show.
-        return True if call.uneven else (None if call.sharded_inputs else False)
-    if patch in ("getitem", "index_put"):
-        return (
-            True if call.mixed and call.sharded_inputs else (None if call.sharded_inputs else False)
-        )
-    # Every other measured bug needs sharded data: on Replicate() inputs DTensor runs the op
-    # on the whole tensor.
-    return None if call.sharded_inputs else False
+    """Whether ``call`` is the case ``patch`` fixes: the patch's own ``concerns`` predicate
+    (``True``/``False`` where the recorded placements decide it, ``None`` where they cannot);
+    a patch the data file names but this registry does not have gets the default."""
+    from dtensor_patches import registry
+
+    try:
+        concerns = registry.get(patch).concerns
+    except KeyError:
+        concerns = needs_sharded_inputs
+    return concerns(call)
 
 
 @dataclass(frozen=True)

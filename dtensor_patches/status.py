@@ -1,81 +1,15 @@
-"""``dtensor_patches.status()``: what torch's tables hold now, against what was applied.
+"""The 0.1.0 name of the registry health check: now ``dtensor_patches.health``.
 
-``apply_all()``'s report says what it did at the time. Code outside this library can change
-the same tables afterwards (``loss_parallel()`` pops its handlers on leaving, a user's own
-``register_op_strategy``), so the report can go stale; ``status()`` checks every entry an
-applied patch installed against the table itself.
-"""
+Moved in 0.2.0; the old names import with a ``DeprecationWarning`` for one release."""
 
-from __future__ import annotations
+from dtensor_patches._moved import forward
 
-from dataclasses import dataclass
-
-from dtensor_patches import compat
-
-__all__ = ["PatchState", "RegistryStatus", "status"]
-
-
-@dataclass(frozen=True)
-class PatchState:
-    """One applied patch: its entries, and those torch's tables no longer hold."""
-
-    name: str
-    entries: int
-    lost: tuple[str, ...]
-
-    @property
-    def intact(self) -> bool:
-        return not self.lost
-
-
-@dataclass(frozen=True)
-class RegistryStatus:
-    """Every applied patch's state, in registry order."""
-
-    torch_version: str
-    patches: tuple[PatchState, ...]
-
-    @property
-    def intact(self) -> bool:
-        """Every entry of every applied patch is in effect."""
-        return all(p.intact for p in self.patches)
-
-    @property
-    def lost(self) -> list[str]:
-        """Names of the applied patches with entries torch's tables no longer hold."""
-        return [p.name for p in self.patches if not p.intact]
-
-    def __str__(self) -> str:
-        if not self.patches:
-            return f"dtensor_patches on torch {self.torch_version}: no patch applied"
-        head = f"dtensor_patches on torch {self.torch_version}: {len(self.patches)} patch(es) " + (
-            "applied, every entry in effect" if self.intact else "applied, ENTRIES LOST:"
-        )
-        lines = [head]
-        for p in self.patches:
-            if p.lost:
-                lines.append(f"  {p.name}: lost {', '.join(p.lost)} (re-apply: revert + apply)")
-        return "\n".join(lines)
-
-
-def status() -> RegistryStatus:
-    """Compare what the applied patches installed with what torch's tables hold now.
-
-    Returns:
-        A :class:`RegistryStatus`; ``.intact`` is ``False`` when an entry was replaced or
-        removed behind the library's back (each lost entry is named ``table[op]``).
-
-    Raises:
-        PatchError: a registry internal moved.
-    """
-    from dtensor_patches.patch import REGISTRY_LOCK
-    from dtensor_patches.registry import all_patches
-
-    with REGISTRY_LOCK:
-        states = []
-        for patch in all_patches():
-            if not patch.is_applied:
-                continue
-            lost = tuple(f"{table}[{op}]" for table, op in compat.lost_entries(patch))
-            states.append(PatchState(patch.name, len(compat.owned_entries(patch)), lost))
-    return RegistryStatus(str(compat.torch_version()), tuple(states))
+__getattr__ = forward(
+    "dtensor_patches.status",
+    {
+        "status": "dtensor_patches.health:health",
+        "RegistryStatus": "dtensor_patches.health:RegistryHealth",
+        "PatchState": "dtensor_patches.health:PatchHealth",
+    },
+    "see dtensor_patches.health",
+)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dtensor_patches import compat
+from dtensor_patches._torch.dtensors import dtensor_types, spec_with_placements
 from dtensor_patches.errors import PatchError
 
 __all__ = [
@@ -96,7 +96,7 @@ def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ..
 
 def _spec(template: Any, placements: Sequence[Any]) -> Any:
     """A ``DTensorSpec`` like ``template`` (same mesh and tensor meta) with other placements."""
-    return compat.spec_with_placements(template, placements)
+    return spec_with_placements(template, placements)
 
 
 def is_shard(placement: Any) -> bool:
@@ -116,7 +116,7 @@ def reduce_op_of(placement: Any) -> str | None:
 
 
 def _tensor_args(op_schema: Any) -> list[tuple[int, Any]]:
-    types = compat.dtensor_types()
+    types = dtensor_types()
     return [(i, a) for i, a in enumerate(op_schema.args_schema) if isinstance(a, types.OpStrategy)]
 
 
@@ -146,7 +146,7 @@ def rule_strategy(
     """
     from torch.distributed.tensor import Replicate
 
-    types = compat.dtensor_types()
+    types = dtensor_types()
     tensors = _tensor_args(op_schema)
     by_position = dict(tensors)
     if driver not in by_position:
@@ -281,7 +281,7 @@ def schema_info(
     ``needs_pytree`` for ops taking a list of tensors (``stack``, ``cat``): DTensor then hands
     the strategy one ``TupleStrategy`` holding an ``OpStrategy`` per list element.
     """
-    types = compat.dtensor_types()
+    types = dtensor_types()
     return types.RuntimeSchemaInfo(
         static_argnum=static_argnum,
         static_kwargkey=list(static_kwargkey) if static_kwargkey else None,
@@ -337,7 +337,7 @@ def elementwise_strategy(
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    types = compat.dtensor_types()
+    types = dtensor_types()
     aside = set(replicated)
     everything = _tensor_args(op_schema)
     tensors = [(pos, st) for pos, st in everything if pos not in aside]

@@ -12,6 +12,7 @@ test modules that pytest can import are importable there too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["RankError", "RankPool", "layout_agrees", "run_on_ranks"]
+__all__ = ["RankError", "RankPool", "layout_agrees", "run_on_ranks", "world_mesh"]
 
 
 class RankError(RuntimeError):
@@ -301,3 +302,13 @@ def layout_agrees(dtensor: Any) -> bool:
     by_global = sorted(dims, key=lambda d: (-dtensor.stride(d), d))
     by_local = sorted(dims, key=lambda d: (-local.stride(d), d))
     return by_global == by_local
+
+
+@functools.cache
+def world_mesh() -> Any:
+    """One 1-D CPU mesh over every rank of this process group, built on first use and reused
+    by every later call (the tripwires and the op sweep run many functions on one pool)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))

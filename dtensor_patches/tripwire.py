@@ -10,6 +10,9 @@ gloo mesh:
 3. where the gate includes this torch, apply the patch alone and run the reproducer again: it
    must now match the single-device result -> otherwise **ineffective**. Then revert.
 
+A patch that ``requires`` others (its reproducer needs their effect) has them applied for both
+runs, where their gates include this torch.
+
 With ``fallback_alone=True`` each reproducer that fails on stock torch runs once more with only
 the fallback installed (no patch): :attr:`TripwireResult.fallback_alone` says whether the
 fallback alone gives the single-device result, so a patch that adds nothing over it but speed
@@ -40,10 +43,12 @@ __all__ = [
     "TripwireResult",
     "Verdict",
     "WithPatch",
+    "gather_result",
     "judge",
     "run_one",
     "run_tripwires",
     "start_pool",
+    "with_required",
 ]
 
 
@@ -248,7 +253,7 @@ def _torch_logs_recorded() -> Iterator[_Recorder]:
 def _on_rank(
     names: Sequence[str], gates: Mapping[str, str], fallback_alone: bool = False
 ) -> list[dict[str, object]]:
-    from dtensor_patches import fallback
+    from dtensor_patches.dispatch import fallback
 
     # Runs on every rank of a RankPool; the reproducers are collective.
     out = []
@@ -267,33 +272,56 @@ def _on_rank(
     return out
 
 
-def _one_patch(name: str, gates: Mapping[str, str], fallback_alone: bool) -> dict[str, Any]:
-    from dtensor_patches import compat, fallback, registry
+@contextlib.contextmanager
+def with_required(patch: Any) -> Iterator[None]:
+    """The patches ``patch`` requires applied (those whose gate includes this torch) for the
+    block, and reverted after it if the block applied them."""
+    from dtensor_patches import registry
 
-    mesh = _mesh()
-    version = str(compat.torch_version())
+    applied = []
+    try:
+        for name in patch.requires:
+            needed = registry.get(name)
+            if needed.applies_to() and needed.apply():
+                applied.append(needed)
+        yield
+    finally:
+        for needed in reversed(applied):
+            needed.revert()
+
+
+def _one_patch(name: str, gates: Mapping[str, str], fallback_alone: bool) -> dict[str, Any]:
+    from dtensor_patches import registry
+    from dtensor_patches._torch.versions import torch_version
+    from dtensor_patches.dispatch import fallback
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    version = str(torch_version())
     patch = registry.get(name)
     if name in gates:
         patch = patch.with_gate(gates[name])
+    reproduce = patch.reproduce_on
     in_gate = patch.applies_to()
-    bug = _gather(patch.reproduce(mesh))
     after_patch = None
-    if in_gate:
-        patch.apply()
-        try:
-            after_patch = _gather(patch.reproduce(mesh))
-        finally:
-            patch.revert()
     alone, after_fallback = FallbackAlone.NOT_RUN, None
-    if fallback_alone:
-        alone = FallbackAlone.NOT_NEEDED
-        if bug is not None:
-            fallback.install("warn")
+    with with_required(patch):
+        bug = gather_result(reproduce(mesh))
+        if in_gate:
+            patch.apply()
             try:
-                after_fallback = _gather(patch.reproduce(mesh))
+                after_patch = gather_result(reproduce(mesh))
             finally:
-                fallback.uninstall()
-            alone = FallbackAlone.FIXED if after_fallback is None else FallbackAlone.STILL_WRONG
+                patch.revert()
+        if fallback_alone:
+            alone = FallbackAlone.NOT_NEEDED
+            if bug is not None:
+                fallback.install("warn")
+                try:
+                    after_fallback = gather_result(reproduce(mesh))
+                finally:
+                    fallback.uninstall()
+                alone = FallbackAlone.FIXED if after_fallback is None else FallbackAlone.STILL_WRONG
     verdict, message = judge(
         patch=name,
         torch_version=version,
@@ -320,21 +348,8 @@ def _one_patch(name: str, gates: Mapping[str, str], fallback_alone: bool) -> dic
 # should start before this process spends a second on that.
 _DISABLE_ENV = "DTENSOR_PATCHES_DISABLE"
 
-_MESH: Any = None
 
-
-def _mesh() -> Any:
-    # One 1-D mesh over the pool's ranks, built on first use and reused by every later run.
-    global _MESH
-    if _MESH is None:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
-    return _MESH
-
-
-def _gather(result: str | None) -> str | None:
+def gather_result(result: str | None) -> str | None:
     """Every rank's reproducer result, combined by :func:`_agree` (collective).
 
     Sent as UTF-8 bytes in uint8 tensors rather than with ``all_gather_object``, which needs

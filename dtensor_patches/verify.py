@@ -31,9 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from dtensor_patches import compat
+from dtensor_patches import state
+from dtensor_patches._torch import tables as torch_tables
+from dtensor_patches._torch.dtensors import (
+    dtensor_class,
+    full_value,
+    local_shape_and_offset,
+    local_tensor,
+    spec_shape,
+)
+from dtensor_patches._torch.modes import current_autograd_node, dispatch_mode_class
+from dtensor_patches._torch.schemas import tree_leaves, tree_map, written_positions
+from dtensor_patches.dispatch.miss_rules import FALLBACK_DECISION, watch_decisions
 
 __all__ = ["Mismatch", "VerifyError", "VerifyReport", "verify"]
 
@@ -137,7 +147,7 @@ class VerifyReport:
 
 
 def _describe(x: Any) -> str:
-    dtensor = compat.dtensor_class()
+    dtensor = dtensor_class()
     if isinstance(x, dtensor):
         return f"{list(x.shape)} {tuple(x.placements)} {str(x.dtype).removeprefix('torch.')}"
     if isinstance(x, torch.Tensor):
@@ -158,7 +168,7 @@ def _user_frame_of(frames: list[tuple[str, int, str, str]]) -> str:
 
 def _source(phase: str) -> str:
     if phase == "backward":
-        node = compat.current_autograd_node()
+        node = current_autograd_node()
         trace = getattr(node, "metadata", {}).get("traceback_") if node is not None else None
         if trace:
             frames = [
@@ -181,9 +191,9 @@ def _exact(x: torch.Tensor) -> bool:
 
 def _compare(got: Any, expected: Any, atol: float, rtol: float) -> tuple[str, float | None] | None:
     """``None`` when equal, else ``(problem, largest difference)``."""
-    dtensor = compat.dtensor_class()
+    dtensor = dtensor_class()
     if isinstance(got, dtensor):
-        got = compat.full_value(got)
+        got = full_value(got)
     if isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor):
         if got.shape != expected.shape:
             return f"shape {list(got.shape)} != single-device {list(expected.shape)}", None
@@ -225,24 +235,16 @@ def _compare(got: Any, expected: Any, atol: float, rtol: float) -> tuple[str, fl
 def _spec_problem(x: Any) -> str | None:
     """A DTensor whose local shape is not the one its global shape and placements imply."""
     try:
-        expected, _ = compat.local_shape_and_offset(x.shape, x.device_mesh, x.placements)
+        expected, _ = local_shape_and_offset(x.shape, x.device_mesh, x.placements)
     except Exception as exc:  # noqa: BLE001 - an unreadable spec is the finding itself
         return f"spec unreadable: {type(exc).__name__}: {exc}"
-    recorded = compat.spec_shape(x)
+    recorded = spec_shape(x)
     if recorded is not None and recorded != tuple(x.shape):
         return f"spec records global shape {list(recorded)}, the tensor is {list(x.shape)}"
-    local = tuple(compat.local_tensor(x).shape)
+    local = tuple(local_tensor(x).shape)
     if local != expected:
         return f"global shape {list(x.shape)} {tuple(x.placements)} implies local {list(expected)}, local is {list(local)}"
     return None
-
-
-def _written_args(op: Any) -> list[int]:
-    return [
-        i
-        for i, a in enumerate(op._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
 
 
 class _Checker:
@@ -253,31 +255,32 @@ class _Checker:
         self.report = VerifyReport()
 
     def _path(self, op: Any, decisions: list[tuple[Any, Any]]) -> tuple[str, str | None]:
+        directory = torch_tables.tables()
         for seen, key in decisions:
             if seen is not op:
                 continue
-            if key == compat.FALLBACK_DECISION:
+            if key == FALLBACK_DECISION:
                 return "fallback", None
-            owner = compat.entry_owner(compat.miss_rules_table(), key)
+            owner = state.LEDGER.owner_of(directory, (state.MISS_RULES_TABLE, key))
             if owner is not None:
-                return "patched", owner.name
-        for table in compat.table_names():
-            if table == compat.miss_rules_table():
+                return "patched", getattr(owner, "name", repr(owner))
+        for table in torch_tables.table_names():
+            if table == state.MISS_RULES_TABLE:
                 continue
-            owner = compat.entry_owner(table, op)
+            owner = state.LEDGER.owner_of(directory, (table, op))
             if owner is not None:
-                return "patched", owner.name
+                return "patched", getattr(owner, "name", repr(owner))
         return "native", None
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = str(func)
-        phase = "backward" if compat.current_autograd_node() is not None else "forward"
+        phase = "backward" if current_autograd_node() is not None else "forward"
         self.report.calls[name] += 1
-        dtensor = compat.dtensor_class()
-        flat_in = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, dtensor)]
+        dtensor = dtensor_class()
+        flat_in = [x for x in tree_leaves((args, kwargs)) if isinstance(x, dtensor)]
         inputs = tuple(
             _describe(x)
-            for x in pytree.tree_leaves((args, kwargs))
+            for x in tree_leaves((args, kwargs))
             if isinstance(x, (torch.Tensor, dtensor))
         )
         random = torch.Tag.nondeterministic_seeded in func.tags
@@ -285,15 +288,15 @@ class _Checker:
         if random:
             self.report.unchecked[f"random: {name}"] += 1
         else:
-            reference = pytree.tree_map(
+            reference = tree_map(
                 lambda x: (
-                    compat.full_value(x)
+                    full_value(x)
                     if isinstance(x, dtensor)
                     else (x.clone() if isinstance(x, torch.Tensor) else x)
                 ),
                 (args, kwargs),
             )
-        with compat.watch_decisions() as decisions:
+        with watch_decisions() as decisions:
             out = func(*args, **kwargs)
         path, patch = self._path(func, decisions)
         if path == "patched":
@@ -305,7 +308,7 @@ class _Checker:
         if reference is None:
             return out
         where = f"patched: {patch}" if patch else path
-        outputs = tuple(_describe(x) for x in pytree.tree_leaves(out))
+        outputs = tuple(_describe(x) for x in tree_leaves(out))
         problem = self._check(func, name, args, out, reference, flat_in)
         if problem is not None:
             text, diff = problem
@@ -324,12 +327,12 @@ class _Checker:
         reference: tuple[Any, Any],
         flat_in: list[Any],
     ) -> tuple[str, float | None] | None:
-        dtensor = compat.dtensor_class()
+        dtensor = dtensor_class()
         for i, x in enumerate(flat_in):
             problem = _spec_problem(x)
             if problem is not None:
                 return f"input {i} spec corrupted: {problem}", None
-        for i, x in enumerate(o for o in pytree.tree_leaves(out) if isinstance(o, dtensor)):
+        for i, x in enumerate(o for o in tree_leaves(out) if isinstance(o, dtensor)):
             problem = _spec_problem(x)
             if problem is not None:
                 return f"output {i}: {problem}", None
@@ -340,8 +343,8 @@ class _Checker:
             self.report.unchecked[f"reference raised {type(exc).__name__}: {name}"] += 1
             return None
         if func.__name__.split(".")[0] in _UNINITIALISED:
-            got_leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-            want = [e for e in pytree.tree_leaves(expected) if isinstance(e, torch.Tensor)]
+            got_leaves = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+            want = [e for e in tree_leaves(expected) if isinstance(e, torch.Tensor)]
             for g, e in zip(got_leaves, want, strict=False):
                 if tuple(g.shape) != tuple(e.shape) or g.dtype != e.dtype:
                     return (
@@ -350,14 +353,14 @@ class _Checker:
                     )
             self.report.unchecked[f"uninitialised: {name}"] += 1
             return None
-        written = _written_args(func)
+        written = written_positions(func)
         for i in written:
             if i < len(args) and isinstance(args[i], torch.Tensor):
                 problem = _compare(args[i], full_args[i], self.atol, self.rtol)
                 if problem is not None:
                     return (f"written argument {i}: {problem[0]}", problem[1])
-        got_leaves = pytree.tree_leaves(out)
-        want_leaves = pytree.tree_leaves(expected)
+        got_leaves = tree_leaves(out)
+        want_leaves = tree_leaves(expected)
         if len(got_leaves) != len(want_leaves):
             return f"{len(got_leaves)} outputs != single-device {len(want_leaves)}", None
         for i, (g, e) in enumerate(zip(got_leaves, want_leaves, strict=True)):
@@ -370,7 +373,7 @@ class _Checker:
 
 @functools.cache
 def _mode_class() -> type:
-    base = compat.dispatch_mode_class()
+    base = dispatch_mode_class()
 
     class VerifyMode(base):  # type: ignore[misc, valid-type]
         """Runs every DTensor call through a :class:`_Checker`; other calls pass through."""
@@ -383,8 +386,8 @@ def _mode_class() -> type:
             self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
         ) -> Any:
             kwargs = kwargs or {}
-            dtensor = compat.dtensor_class()
-            if not any(isinstance(x, dtensor) for x in pytree.tree_leaves((args, kwargs))):
+            dtensor = dtensor_class()
+            if not any(isinstance(x, dtensor) for x in tree_leaves((args, kwargs))):
                 return func(*args, **kwargs)
             return self.checker.call(func, args, kwargs)
 

@@ -1,107 +1,149 @@
-"""The built-in patches, in application order. Each module holds one patch: its strategy,
-gate, reproducer and upstream references together."""
+"""The built-in patches, grouped by op family, in the one order ``apply_all()`` applies them.
+
+Each module holds one patch: its registrations, gate, reproducer and upstream references
+together. The families:
+
+- ``pointwise``: elementwise ops and activations, pending reductions through them;
+- ``reductions``: reductions, scans and order statistics along dims, ``.item()`` of a
+  ``Partial``;
+- ``views``: views and shape ops (slices, selects, squeezes, stacks, flips, ``as_strided``);
+- ``indexing``: advanced indexing, indexed writes, data-dependent output shapes;
+- ``writes``: in-place writes (``Partial`` targets, writes through redistributed views);
+- ``losses``: losses reduced over shards, ``loss_parallel()``;
+- ``nn``: attention, convolutions, matrix-vector products;
+- ``parallel_styles``: tensor-parallel plans.
+
+The order matters where two patches own entries of one op: the later one is on top.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from dtensor_patches.patch import Patch
-from dtensor_patches.patches import (
-    activations,
-    alias,
-    argmax_all,
-    as_strided,
-    conv_layouts,
-    count_nonzero,
-    cumsum_inplace,
-    cumsum_negative_dim,
+from dtensor_patches.patches.indexing import (
     data_dependent,
-    elementwise_losses,
-    flip_roll,
     getitem,
     index_functional,
     index_put,
     index_writes,
-    inplace_view_shape,
-    inplace_writes,
     isin_searchsorted,
+    masked_scatter,
+)
+from dtensor_patches.patches.losses import (
+    elementwise_losses,
     loss_parallel_backward,
     loss_parallel_keeps_patches,
-    masked_scatter,
-    max_min_indices,
-    mean_uneven,
-    mse_loss,
-    mv,
-    nansum,
     nll_loss,
-    order_stats,
+)
+from dtensor_patches.patches.nn import conv_layouts, mv, sdpa_cpu
+from dtensor_patches.patches.parallel_styles import tp_tied_weights
+from dtensor_patches.patches.pointwise import (
+    activations,
+    elementwise_strategies,
+    ne_glu_entr,
     partial_add_scalar,
     partial_int_cast,
+)
+from dtensor_patches.patches.reductions import (
+    argmax_all,
+    count_nonzero,
+    cumsum_negative_dim,
+    dim_reductions,
+    max_min_indices,
+    mean_uneven,
+    nansum,
+    order_stats,
     partial_item,
     partial_norms,
-    pointwise_2_10,
-    pointwise_2_11,
-    pointwise_gaps,
-    reductions_2_9,
     scans,
-    sdpa_cpu,
+    var_mean,
+)
+from dtensor_patches.patches.views import (
+    alias,
+    as_strided,
+    flip_roll,
+    inplace_view_shape,
     select_spec,
     squeeze,
     stack_dim,
     t_of_vector,
-    tp_tied_weights,
     unbind,
     unfold,
-    var_mean,
-    view_writes,
 )
-
-BUILTIN_PATCHES: tuple[Patch, ...] = (
-    alias.PATCH,
-    select_spec.PATCH,
-    reductions_2_9.PATCH,
-    unbind.PATCH,
-    count_nonzero.PATCH,
-    mse_loss.PATCH,
-    var_mean.PATCH,
-    scans.PATCH,
-    cumsum_inplace.PATCH,
-    cumsum_negative_dim.PATCH,
-    order_stats.PATCH,
-    flip_roll.PATCH,
-    sdpa_cpu.PATCH,
-    unfold.PATCH,
-    pointwise_gaps.PATCH,
-    isin_searchsorted.PATCH,
-    inplace_writes.PATCH,
-    view_writes.PATCH,
-    index_put.PATCH,
-    index_writes.PATCH,
-    index_functional.PATCH,
-    getitem.PATCH,
-    masked_scatter.PATCH,
-    data_dependent.PATCH,
-    mean_uneven.PATCH,
-    max_min_indices.PATCH,
-    squeeze.PATCH,
-    stack_dim.PATCH,
-    argmax_all.PATCH,
-    nansum.PATCH,
-    partial_add_scalar.PATCH,
-    partial_int_cast.PATCH,
-    pointwise_2_10.PATCH,
-    pointwise_2_11.PATCH,
-    activations.PATCH,
-    mv.PATCH,
-    elementwise_losses.PATCH,
-    nll_loss.PATCH,
-    partial_item.PATCH,
-    partial_norms.PATCH,
-    loss_parallel_backward.PATCH,
-    loss_parallel_keeps_patches.PATCH,
-    tp_tied_weights.PATCH,
-    as_strided.PATCH,
-    conv_layouts.PATCH,
-    inplace_view_shape.PATCH,
-    t_of_vector.PATCH,
-)
+from dtensor_patches.patches.writes import cumsum_inplace, inplace_writes, view_writes
 
 __all__ = ["BUILTIN_PATCHES"]
+
+
+def _in_order(patches: Iterable[Patch]) -> tuple[Patch, ...]:
+    """``patches`` as the registry's order, refusing a repeated name and a ``requires`` that
+    names an unknown patch or one that comes later.
+
+    Raises:
+        ValueError: naming the patch and the problem.
+    """
+    seen: set[str] = set()
+    out = []
+    for patch in patches:
+        if patch.name in seen:
+            raise ValueError(f"patch {patch.name!r} is registered twice")
+        for needed in patch.requires:
+            if needed not in seen:
+                raise ValueError(
+                    f"patch {patch.name!r} requires {needed!r}, which is not registered before it"
+                )
+        seen.add(patch.name)
+        out.append(patch)
+    return tuple(out)
+
+
+BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
+    (
+        alias.PATCH,
+        select_spec.PATCH,
+        dim_reductions.PATCH,
+        unbind.PATCH,
+        count_nonzero.PATCH,
+        var_mean.PATCH,
+        scans.PATCH,
+        cumsum_inplace.PATCH,
+        cumsum_negative_dim.PATCH,
+        order_stats.PATCH,
+        flip_roll.PATCH,
+        sdpa_cpu.PATCH,
+        unfold.PATCH,
+        elementwise_strategies.PATCH,
+        isin_searchsorted.PATCH,
+        inplace_writes.PATCH,
+        view_writes.PATCH,
+        index_put.PATCH,
+        index_writes.PATCH,
+        index_functional.PATCH,
+        getitem.PATCH,
+        masked_scatter.PATCH,
+        data_dependent.PATCH,
+        mean_uneven.PATCH,
+        max_min_indices.PATCH,
+        squeeze.PATCH,
+        stack_dim.PATCH,
+        argmax_all.PATCH,
+        nansum.PATCH,
+        partial_add_scalar.PATCH,
+        partial_int_cast.PATCH,
+        ne_glu_entr.PATCH,
+        activations.PATCH,
+        mv.PATCH,
+        elementwise_losses.PATCH,
+        nll_loss.PATCH,
+        partial_item.PATCH,
+        partial_norms.PATCH,
+        loss_parallel_backward.PATCH,
+        loss_parallel_keeps_patches.PATCH,
+        tp_tied_weights.PATCH,
+        as_strided.PATCH,
+        conv_layouts.PATCH,
+        inplace_view_shape.PATCH,
+        t_of_vector.PATCH,
+    )
+)

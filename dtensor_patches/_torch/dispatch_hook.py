@@ -1,0 +1,188 @@
+"""Where a call meets sharding propagation without a cached decision (a *miss*), for each of the
+two dispatch designs, and torch's own decision for it.
+
+DTensor decides how to run a call (its ``OutputSharding``) once per distinct op schema and
+caches the decision; cached calls never reach Python on 2.10+ (C++ fast path) and reach only a
+cache lookup on 2.9. The hook replaces, as attributes of the process-wide dispatcher and
+propagator objects (:func:`replacements`; the ledger installs and restores them):
+
+- 2.10+: ``OpDispatcher._propagate_op_sharding_dispatch_slow_path(op_call, args, kwargs,
+  op_info, try_cache)``, which the C++ dispatcher calls on a cache miss; a result that is not
+  an ``OutputSharding`` is returned to the caller as the op's output (torch itself does this
+  for CompositeImplicitAutograd decompositions), and is not cached.
+- 2.9: ``OpDispatcher.dispatch`` is Python. The propagator's ``propagate_op_sharding_non_cached``
+  is wrapped (the cache that :func:`~dtensor_patches._torch.tables.clear_sharding_caches`
+  rebuilds over it then caches only torch's decisions); a diverting decision raises
+  :class:`Divert` (a ``BaseException``, so torch's ``except Exception`` re-wrapping lets it
+  through) and a thin wrapper around ``dispatch`` catches it and runs the call. 2.9 also
+  flattens list arguments only for ops with a strategy, so an op without one whose DTensors all
+  sit in a list (``block_diag``, ``_chunk_cat``) is refused before propagation
+  (``found no DeviceMesh from dtensor args``): that refusal goes to ``take_refusal``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dtensor_patches import state
+from dtensor_patches._torch.access import attribute
+from dtensor_patches._torch.dtensors import dtensor_types
+from dtensor_patches._torch.tables import (
+    DISPATCHER_ATTRIBUTES,
+    PROPAGATOR_ATTRIBUTES,
+    op_dispatcher,
+    sharding_propagator,
+)
+from dtensor_patches._torch.versions import dispatches_in_cpp
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+
+__all__ = ["DivertedCall", "NativeDecision", "replacements"]
+
+DivertedCall = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+"""Runs a diverted call: ``(op_call, args, kwargs) -> output``."""
+
+Decide = Callable[["OpOverload", "OpSchema", "NativeDecision"], "DivertedCall | None"]
+TakeRefusal = Callable[[Any, tuple[Any, ...], dict[str, Any], BaseException], Any]
+
+
+class NativeDecision:
+    """torch's own decision for the call at hand, computed at most once and only if asked."""
+
+    __slots__ = ("_compute", "_done", "_error", "_result")
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute = compute
+        self._done = False
+        self._result: Any = None
+        self._error: Exception | None = None
+
+    def _run(self) -> None:
+        if not self._done:
+            self._done = True
+            try:
+                self._result = self._compute()
+            except Exception as exc:  # noqa: BLE001 - re-raised by get(); rules inspect it
+                self._error = exc
+
+    def get(self) -> Any:
+        """torch's result: an ``OutputSharding`` (or, 2.10+, an already computed output).
+
+        Raises:
+            Whatever torch's propagation raised for this call.
+        """
+        self._run()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def error(self) -> Exception | None:
+        """The exception torch's propagation raised for this call, or ``None``."""
+        self._run()
+        return self._error
+
+    def sharding(self) -> OutputSharding | None:
+        """torch's ``OutputSharding``, or ``None`` when propagation raised or torch already
+        produced the output itself (a CompositeImplicitAutograd decomposition, 2.10+)."""
+        self._run()
+        if self._error is not None or not isinstance(self._result, dtensor_types().OutputSharding):
+            return None
+        return self._result
+
+
+def _active() -> bool:
+    return bool(state.MISS_RULES) or state.FALLBACK.get("call") is not None
+
+
+class Divert(BaseException):
+    """2.9 only: carries a diverted call from propagation up to the dispatch wrapper."""
+
+    def __init__(self, op: Any, run: DivertedCall) -> None:
+        super().__init__(str(op))
+        self.op = op
+        self.run = run
+
+
+# 2.9: the op this thread's dispatch is running (propagation is re-entered for nested ops,
+# and only the outermost call's own propagation may divert it).
+_CURRENT = threading.local()
+
+
+def _slow_path(decide: Decide) -> tuple[str, str, Any]:
+    name = "_propagate_op_sharding_dispatch_slow_path"
+    original = attribute(op_dispatcher(), name, f"OpDispatcher.{name}")
+
+    def slow_path(op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> Any:
+        if not _active():
+            return original(op_call, args, kwargs, op_info, try_cache)
+        native = NativeDecision(lambda: original(op_call, args, kwargs, op_info, try_cache))
+        run = decide(op_call, op_info.schema, native)
+        if run is not None:
+            return run(op_call, args, kwargs)
+        return native.get()
+
+    return (DISPATCHER_ATTRIBUTES, name, slow_path)
+
+
+def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[str, str, Any]]:
+    dispatcher, propagator = op_dispatcher(), sharding_propagator()
+    dispatch = attribute(dispatcher, "dispatch", "OpDispatcher.dispatch")
+    non_cached = attribute(
+        propagator,
+        "propagate_op_sharding_non_cached",
+        "ShardingPropagator.propagate_op_sharding_non_cached",
+    )
+    attribute(propagator, "propagate_op_sharding", "ShardingPropagator.propagate_op_sharding")
+
+    def propagate(op_schema: Any) -> Any:
+        op = op_schema.op
+        if getattr(_CURRENT, "op", None) is not op or not _active():
+            return non_cached(op_schema)
+        native = NativeDecision(lambda: non_cached(op_schema))
+        run = decide(op, op_schema, native)
+        if run is not None:
+            raise Divert(op, run)
+        return native.get()
+
+    def hooked_dispatch(op_call: Any, args: Any, kwargs: Any) -> Any:
+        outer = getattr(_CURRENT, "op", None)
+        _CURRENT.op = op_call
+        try:
+            return dispatch(op_call, args, kwargs)
+        except Divert as divert:
+            if divert.op is not op_call:
+                raise
+            _CURRENT.op = outer
+            return divert.run(op_call, args, kwargs)
+        except AssertionError as error:
+            if "found no DeviceMesh from dtensor args" not in str(error):
+                raise
+            _CURRENT.op = outer
+            return take_refusal(op_call, args, kwargs, error)
+        finally:
+            _CURRENT.op = outer
+
+    return [
+        (PROPAGATOR_ATTRIBUTES, "propagate_op_sharding_non_cached", propagate),
+        (DISPATCHER_ATTRIBUTES, "dispatch", hooked_dispatch),
+    ]
+
+
+def replacements(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[str, str, Any]]:
+    """``(table, attribute, value)`` for every attribute the hook replaces on this release.
+
+    ``decide(op, op_schema, native)`` is asked on every miss while the library has a miss rule
+    or the fallback; it returns a :data:`DivertedCall` to run the call instead of torch (never
+    cached), or ``None`` to keep torch's decision (cached as usual). ``take_refusal`` gets
+    2.9's refusals of list-only ops (raise the error to keep torch's).
+
+    Raises:
+        PatchError: an internal the hook wraps is missing.
+    """
+    if dispatches_in_cpp():
+        return [_slow_path(decide)]
+    return _python_dispatch(decide, take_refusal)

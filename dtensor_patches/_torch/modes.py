@@ -1,0 +1,64 @@
+"""Dispatch modes, the autograd node running a backward, and alias correction of in-place views.
+
+A ``TorchDispatchMode`` sees every op call at the Python dispatch key, before DTensor's own
+dispatch (the C++ fast path on 2.10+ included): ``verify()`` and ``scan()`` are built on one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtensor_patches._torch.access import attribute, internal
+from dtensor_patches._torch.dtensors import set_spec
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+__all__ = ["current_autograd_node", "dispatch_mode_class", "finish_inplace_view", "foreach_norm"]
+
+
+def dispatch_mode_class() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``.
+
+    Raises:
+        PatchError: the class moved.
+    """
+    return internal("torch.utils._python_dispatch", "TorchDispatchMode")
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose backward is running on this thread, or ``None`` outside
+    backward (``torch._C._current_autograd_node``).
+
+    Raises:
+        PatchError: the function moved.
+    """
+    return attribute(torch._C, "_current_autograd_node", "torch._C._current_autograd_node")()
+
+
+def finish_inplace_view(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: DTensor, spec: DTensorSpec
+) -> DTensor:
+    """Give ``target`` (a DTensor an in-place view op such as ``squeeze_`` just changed, its
+    local tensor already changed) the output ``spec`` and make its outer size and strides match
+    (``torch.utils._python_dispatch.return_and_correct_aliasing``, which re-runs the op on the
+    wrapper's metadata only). Returns ``target``.
+
+    Raises:
+        PatchError: ``DTensor._spec`` or ``return_and_correct_aliasing`` moved.
+    """
+    correct = internal("torch.utils._python_dispatch", "return_and_correct_aliasing")
+    set_spec(target, spec)
+    return correct(op, args, kwargs, target)
+
+
+def foreach_norm() -> Any:
+    """``torch._foreach_norm`` (the per-tensor norms ``clip_grad_norm_`` takes).
+
+    Raises:
+        PatchError: the function moved.
+    """
+    return attribute(torch, "_foreach_norm", "torch._foreach_norm")

@@ -1,0 +1,221 @@
+"""Op overloads and their schemas: names, written arguments, views, ``out=`` variants, argument
+binding, and torch's pytree (``torch.utils._pytree``), which walks an op's arguments.
+
+Facts about an op that come from its schema are cached per op (an ``OpOverload`` is a
+process-wide singleton, and its schema never changes): the miss rules ask them on every cache
+miss, the fallback on every call it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import _pytree
+
+from dtensor_patches._torch.access import attribute, moved
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+
+__all__ = [
+    "all_aten_ops",
+    "argument_names",
+    "decomposes",
+    "has_decomposition",
+    "inplace_overload",
+    "is_random",
+    "is_view_op",
+    "op_arguments",
+    "out_variant",
+    "resolve_op",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+    "writes_self",
+    "written_positions",
+]
+
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+tree_map = _pytree.tree_map
+tree_leaves = _pytree.tree_leaves
+
+
+def resolve_op(name: str) -> OpOverload:
+    """``"aten.alias.default"`` -> ``torch.ops.aten.alias.default``.
+
+    Raises:
+        ValueError: ``name`` is not ``namespace.op.overload``.
+        PatchError: the namespace, packet or overload does not exist in this torch.
+    """
+    parts = name.split(".")
+    if len(parts) != 3:
+        raise ValueError(f"op name must be 'namespace.op.overload', got {name!r}")
+    namespace, packet, overload = parts
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, RuntimeError) as exc:
+        raise moved(f"torch.ops.{name}", "no such operator") from exc
+
+
+def _schema(op: OpOverload) -> Any:
+    return attribute(op, "_schema", "OpOverload._schema")
+
+
+@functools.cache
+def written_positions(op: OpOverload) -> tuple[int, ...]:
+    """Schema positions of the arguments ``op`` writes: in-place ``self``, ``out=``."""
+    return tuple(
+        i
+        for i, a in enumerate(_schema(op).arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+@functools.cache
+def argument_names(op: OpOverload) -> tuple[str, ...]:
+    """The names of ``op``'s arguments, in schema order."""
+    return tuple(a.name for a in _schema(op).arguments)
+
+
+@functools.cache
+def writes_self(op: OpOverload) -> bool:
+    """An in-place op: its first argument is written (``Tensor(a!) self``), not an ``out=``."""
+    arguments = _schema(op).arguments
+    first = arguments[0].alias_info if arguments else None
+    return bool(
+        first is not None
+        and first.is_write
+        and not arguments[0].is_out
+        and not any(a.is_out for a in arguments)
+    )
+
+
+@functools.cache
+def is_view_op(op: OpOverload) -> bool:
+    """A view op: its outputs alias its first argument without writing it."""
+    schema = _schema(op)
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    outs = [r.alias_info for r in schema.returns]
+    return bool(
+        first is not None
+        and not first.is_write
+        and outs
+        and all(
+            a is not None and not a.is_write and set(a.before_set) & set(first.before_set)
+            for a in outs
+        )
+    )
+
+
+def is_random(op: OpOverload) -> bool:
+    """A random op (``Tag.nondeterministic_seeded``): ``dropout``, ``rand_like``, ``normal_``."""
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
+def inplace_overload(op: OpOverload) -> OpOverload:
+    """The in-place overload of the same name: ``index_add.default`` -> ``index_add_.default``.
+
+    Raises:
+        PatchError: there is none.
+    """
+    overload = attribute(op, "_overloadname", "OpOverload._overloadname")
+    return resolve_op(f"aten.{op.overloadpacket.__name__}_.{overload}")
+
+
+def out_variant(name: str) -> str | None:
+    """The ``out=`` overload of a functional op, e.g. ``"aten.cumprod.default"`` ->
+    ``"aten.cumprod.out"``, ``"aten.kthvalue.default"`` -> ``"aten.kthvalue.values"``.
+
+    An overload qualifies when its non-out arguments match the functional's (names and
+    types, in order) and it has exactly one out argument: with several (``kthvalue.values``),
+    DTensor was measured to leave the out tensors' placements stale (silently wrong), so those
+    are not offered. ``None`` when there is none (or ``name`` is itself in-place or out=).
+
+    Raises:
+        PatchError: ``name`` does not exist in this torch.
+    """
+    schema = _schema(resolve_op(name))
+    if any(a.is_out for a in schema.arguments) or any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    ):
+        return None
+    wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    namespace, packet, _ = name.split(".")
+    packet_obj = getattr(getattr(torch.ops, namespace), packet)
+    for overload in packet_obj.overloads():
+        candidate = _schema(getattr(packet_obj, overload))
+        outs = [a for a in candidate.arguments if a.is_out]
+        rest = [(a.name, str(a.type)) for a in candidate.arguments if not a.is_out]
+        if len(outs) == 1 and rest == wanted:
+            return f"{namespace}.{packet}.{overload}"
+    return None
+
+
+def op_arguments(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of ``op``'s schema by name, as called (defaults filled in), in order.
+
+    Handlers use it to read and rewrite arguments such as ``reduction`` whether they were
+    passed positionally, by keyword or left at their default.
+
+    Raises:
+        PatchError: ``OpOverload._schema`` moved.
+        TypeError: a required argument is missing.
+    """
+    bound: dict[str, Any] = {}
+    for i, argument in enumerate(_schema(op).arguments):
+        if i < len(args):
+            bound[argument.name] = args[i]
+        elif argument.name in kwargs:
+            bound[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            bound[argument.name] = argument.default_value
+        else:
+            raise TypeError(f"{op}: missing argument {argument.name!r}")
+    return bound
+
+
+def all_aten_ops() -> list[str]:
+    """Every ``aten`` operator overload this torch registers, as ``"aten.op.overload"``
+    (``torch._C._dispatch_get_all_op_names``; an overload-less name is ``.default``).
+
+    Raises:
+        PatchError: the function moved.
+    """
+    names: Callable[[], list[str]] = attribute(
+        torch._C, "_dispatch_get_all_op_names", "torch._C._dispatch_get_all_op_names"
+    )
+    out = []
+    for name in names():
+        namespace, _, rest = name.partition("::")
+        if namespace != "aten":
+            continue
+        packet, _, overload = rest.partition(".")
+        out.append(f"aten.{packet}.{overload or 'default'}")
+    return sorted(out)
+
+
+def has_decomposition(op_name: str) -> bool:
+    """Whether ``op_name`` (``"aten.op.overload"``) has a CompositeImplicitAutograd kernel:
+    DTensor decomposes such an op instead of asking for a strategy when it has none.
+
+    Raises:
+        PatchError: the dispatcher query moved.
+    """
+    namespace, packet, overload = op_name.split(".")
+    qualified = f"{namespace}::{packet}" + ("" if overload == "default" else f".{overload}")
+    has_kernel = attribute(
+        torch._C,
+        "_dispatch_has_kernel_for_dispatch_key",
+        "torch._C._dispatch_has_kernel_for_dispatch_key",
+    )
+    return bool(has_kernel(qualified, torch._C.DispatchKey.CompositeImplicitAutograd))
+
+
+def decomposes(op: OpOverload) -> bool:
+    """:func:`has_decomposition` for an ``OpOverload``."""
+    return has_decomposition(str(op))

@@ -1,0 +1,43 @@
+"""The running torch release, and the facts of the supported range that depend on it."""
+
+from __future__ import annotations
+
+import torch
+from packaging.version import Version
+
+__all__ = ["dispatches_in_cpp", "torch_release", "torch_version", "view_geometry_is_global"]
+
+_CPP_DISPATCH = Version("2.10")
+
+
+def torch_version() -> Version:
+    """The running torch version as a :class:`packaging.version.Version` (local label kept)."""
+    return Version(torch.__version__)
+
+
+def torch_release() -> Version:
+    """The release the running torch is, or leads up to: pre-release, dev and local labels dropped.
+
+    ``2.9.0a0+gitabc`` -> ``2.9.0``; ``2.14.1+cu130`` -> ``2.14.1``. Gates compare against this,
+    because a nightly of 2.10 carries the 2.10 code base, not the 2.9 one.
+    """
+    return Version(torch_version().base_version)
+
+
+def dispatches_in_cpp() -> bool:
+    """Whether DTensor's dispatch entry point is C++ (2.10+, pytorch/pytorch#167051): a cached
+    call then never reaches Python, and a cache miss reaches
+    ``OpDispatcher._propagate_op_sharding_dispatch_slow_path``. On 2.9 ``OpDispatcher.dispatch``
+    is Python. The release decides, not the presence of an attribute, so a moved slow path
+    fails loudly instead of a wrapper that never runs."""
+    return torch_release() >= _CPP_DISPATCH
+
+
+def view_geometry_is_global() -> bool:
+    """Whether a DTensor view's ``stride()``/``storage_offset()`` describe its place in the
+    global base tensor.
+
+    Measured: from 2.10 the wrapper carries the global offset (``x[1:3]`` of a 4x6 base has
+    offset 6); on 2.9 every DTensor view reports offset 0.
+    """
+    return torch_release() >= _CPP_DISPATCH

@@ -1,0 +1,285 @@
+"""The gather engine: gather the inputs, compute on full tensors, give every rank its shard.
+
+Used by the fallback (:mod:`dtensor_patches.dispatch.fallback`) for every call torch refuses,
+and by patches whose op gathers by nature (a data-dependent output shape, a strided view, a
+convolution layout torch's handler does not compute). It depends on no patch.
+
+- :func:`run_gathered`: the whole computation of a call, in-place and ``out=`` included,
+  counted in ``dtensor_patches.fallback_report()``;
+- :func:`replicated_result`: an op on gathered inputs, every output ``Replicate()``;
+- :func:`inplace_through_full`: an in-place op on the gathered target, written back shard by
+  shard;
+- :func:`~.shards.shard_of` (re-exported): this rank's local tensor of a full value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtensor_patches._torch.dtensors import (
+    dtensor_class,
+    first_mesh,
+    full_tensor,
+    local_tensor,
+)
+from dtensor_patches._torch.schemas import (
+    argument_names,
+    is_random,
+    is_view_op,
+    tree_flatten,
+    tree_map,
+    written_positions,
+)
+from dtensor_patches.dispatch import fallback_report, tracked_views
+from dtensor_patches.dispatch.shards import contiguous_stride, partial_shares, shard_of
+from dtensor_patches.errors import PatchError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "contiguous_stride",
+    "inplace_through_full",
+    "partial_shares",
+    "placements_text",
+    "replicated_result",
+    "run_gathered",
+    "shard_of",
+]
+
+
+def _replicated(mesh: DeviceMesh, value: Any) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return value
+
+
+def replicated_result(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """Run ``op_call`` on the gathered inputs; every tensor output is a ``Replicate()`` DTensor.
+
+    Plain tensors among the arguments are taken as already replicated (the same on every rank).
+    """
+    mesh = first_mesh(tree_flatten((args, kwargs))[0])
+    out = op_call(*tree_map(full_tensor, args), **tree_map(full_tensor, kwargs))
+    return tree_map(lambda v: _replicated(mesh, v), out)
+
+
+def inplace_through_full(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """Apply an in-place op to the gathered first argument, then write back this rank's shard.
+
+    The caller's DTensor object (``args[0]``) is updated in place and keeps its placements;
+    every rank sees every write, whichever shard it lands in.
+    """
+    target = args[0]
+    full_args = tree_map(full_tensor, args)
+    op_call(*full_args, **tree_map(full_tensor, kwargs))
+    with torch.no_grad():
+        local_tensor(target).copy_(shard_of(full_args[0], target.device_mesh, target.placements))
+    return target
+
+
+def placements_text(leaves: Sequence[Any]) -> str:
+    """``"[4, 6](Shard(dim=0),)@2, ..."`` for the DTensors among ``leaves``."""
+    dtensor = dtensor_class()
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, dtensor):
+            mesh = "x".join(str(s) for s in leaf.device_mesh.shape)
+            parts.append(f"{list(leaf.shape)}{tuple(leaf.placements)}@{mesh}")
+    return ", ".join(parts)
+
+
+def _gather(value: Any) -> tuple[Any, int]:
+    """The full tensor of a DTensor (detached, on every rank) and the bytes it moved here."""
+    from torch.distributed.tensor import Replicate
+
+    if not isinstance(value, dtensor_class()):
+        return value, 0
+    local = local_tensor(value)
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return local.detach(), 0
+    if value.numel() == 0:
+        # Nothing to gather; torch 2.9's all-gather of empty uneven shards hangs on some ranks.
+        return torch.empty(value.shape, dtype=value.dtype, device=local.device), 0
+    full = value.detach().full_tensor()
+    if value.is_contiguous() and not full.is_contiguous():
+        # Gathering a Shard(d > 0) gives a permuted view on some releases (2.9); views
+        # (``flatten``) of the gathered tensor must see the layout the DTensor reports.
+        full = full.contiguous()
+    if any(p.is_shard() for p in value.placements):
+        moved = max(full.numel() - local.numel(), 0) * full.element_size()
+    else:
+        # Partial only: a reduction, not a gather; every rank still received a full copy.
+        moved = full.numel() * full.element_size()
+    return full, moved
+
+
+def _scratch(original: Any, full: Any, targets: list[tuple[Any, torch.Tensor]]) -> Any:
+    """Copies of a written argument's full tensors (a tensor or a list of them) for the op to
+    write into; each DTensor among them is recorded in ``targets`` with its copy."""
+    if isinstance(full, (list, tuple)):
+        return type(full)(_scratch(o, f, targets) for o, f in zip(original, full, strict=True))
+    if not isinstance(full, torch.Tensor):
+        return full
+    copy = full.clone()
+    if isinstance(original, dtensor_class()):
+        targets.append((original, copy))
+    return copy
+
+
+def _broadcast_from_origin(value: Any, mesh: DeviceMesh) -> Any:
+    """``value`` (a plain tensor) as computed on mesh coordinate (0, …, 0), on every rank."""
+    import torch.distributed as dist
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    out = value.contiguous()
+    for mesh_dim in range(mesh.ndim):
+        group = mesh.get_group(mesh_dim)
+        dist.broadcast(out, src=dist.get_global_rank(group, 0), group=group)
+    return out
+
+
+def _describe(mesh: DeviceMesh, full: torch.Tensor, like: Sequence[Any]) -> Any:
+    """``full`` (identical on every rank) as a DTensor: sharded like the first input of the
+    same shape whose placements are ``Shard``/``Replicate`` only, else ``Replicate()``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    placements: tuple[Any, ...] = (Replicate(),) * mesh.ndim
+    for leaf in like:
+        if (
+            leaf.shape == full.shape
+            and leaf.device_mesh == mesh
+            and all(p.is_shard() or isinstance(p, Replicate) for p in leaf.placements)
+        ):
+            placements = tuple(leaf.placements)
+            break
+    if all(isinstance(p, Replicate) for p in placements):
+        local = full
+    else:
+        local = shard_of(full, mesh, placements)
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
+
+
+def _with_scratch_targets(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    full_args: tuple[Any, ...],
+    full_kwargs: dict[str, Any],
+    targets: list[tuple[Any, torch.Tensor]],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``full_args``/``full_kwargs`` with every argument ``op`` writes replaced by a copy (the
+    caller's tensors are written only once all succeeded)."""
+    names = argument_names(op)
+    for i in written_positions(op):
+        if i < len(args):
+            copy = _scratch(args[i], full_args[i], targets)
+            full_args = (*full_args[:i], copy, *full_args[i + 1 :])
+        elif names[i] in kwargs:
+            copy = _scratch(kwargs[names[i]], full_kwargs[names[i]], targets)
+            full_kwargs = {**full_kwargs, names[i]: copy}
+    return full_args, full_kwargs
+
+
+def _write_back(
+    op: Any, targets: list[tuple[Any, torch.Tensor]], error: BaseException | None
+) -> None:
+    for target, copy in targets:
+        if tuple(copy.shape) != tuple(target.shape):
+            # resize_ and friends: a DTensor's global shape cannot change in place.
+            raise PatchError(
+                f"{op} changes the shape of the DTensor it writes in place "
+                f"({list(target.shape)} -> {list(copy.shape)}): a DTensor's shape "
+                "cannot change in place; use the out-of-place op"
+            ) from error
+    shards = [
+        (target, shard_of(copy, target.device_mesh, target.placements)) for target, copy in targets
+    ]
+    for target, shard in shards:
+        local_tensor(target).copy_(shard)
+
+
+def run_gathered(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reason: str,
+    *,
+    error: BaseException | None = None,
+) -> Any:
+    """The fallback's computation, whatever the fallback's mode (patches that gather by nature
+    use it), counted in ``fallback_report()`` with ``reason``:
+
+    1. every DTensor argument is gathered to ``Replicate()`` (``Partial`` ones reduced);
+    2. the op runs once on the full local tensors, below autograd;
+    3. an output with the shape of an input (``Shard``/``Replicate`` only) takes that input's
+       placements by keeping this rank's chunk, with no communication; any other output is
+       ``Replicate()``;
+    4. in-place and ``out=`` calls write this rank's shard of the full result into the
+       caller's local tensor (placements kept), after the whole computation succeeded;
+    5. random ops run on every rank and the result of mesh coordinate ``(0, …, 0)`` is
+       broadcast, so every rank holds the same values;
+    6. a view op's result is a tracked view (:mod:`.tracked_views`): a copy, whose writes are
+       carried into the tensor it was made from.
+
+    Raises:
+        PatchError: DTensor arguments on different meshes; an in-place op that changes the
+            shape of its target.
+        Exception: whatever the op raises on the full plain tensors; nothing is written then.
+    """
+    dtensor = dtensor_class()
+    leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, dtensor)]
+    placements = placements_text(leaves)
+    mesh = leaves[0].device_mesh
+    if any(leaf.device_mesh != mesh for leaf in leaves):
+        raise PatchError(
+            f"{op}: DTensor arguments on different meshes ({placements}); redistribute them "
+            "onto one mesh first"
+        ) from error
+    moved = 0
+
+    def gather(value: Any) -> Any:
+        nonlocal moved
+        full, n = _gather(value)
+        moved += n
+        return full
+
+    with torch.no_grad():
+        full_args = tree_map(gather, args)
+        full_kwargs = tree_map(gather, kwargs)
+        targets: list[tuple[Any, torch.Tensor]] = []
+        if written_positions(op):
+            full_args, full_kwargs = _with_scratch_targets(
+                op, args, kwargs, full_args, full_kwargs, targets
+            )
+        out = op(*full_args, **full_kwargs)
+        if is_random(op):
+            out = tree_map(lambda v: _broadcast_from_origin(v, mesh), out)
+            targets = [(t, _broadcast_from_origin(c, mesh)) for t, c in targets]
+        fallback_report.count(op, placements, moved, reason)
+        if targets:
+            _write_back(op, targets, error)
+            by_copy = {id(copy): target for target, copy in targets}
+
+            def result(v: Any) -> Any:
+                if not isinstance(v, torch.Tensor):
+                    return v
+                return by_copy[id(v)] if id(v) in by_copy else _describe(mesh, v, leaves)
+
+            return tree_map(result, out)
+        described = tree_map(
+            lambda v: _describe(mesh, v, leaves) if isinstance(v, torch.Tensor) else v, out
+        )
+    if args and isinstance(args[0], dtensor) and is_view_op(op):
+        # A view cannot alias across ranks: its values are a copy, and an in-place write into
+        # it is carried into the tensor it was made from.
+        return tracked_views.track(described, args[0], op, tuple(args[1:]), dict(kwargs))
+    return described

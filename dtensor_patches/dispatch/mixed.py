@@ -1,0 +1,284 @@
+"""Plain tensors beside DTensors (or DTensors on several meshes): decided where the meaning is
+certain, a clear error where it is not.
+
+Certain: optimizers' ``foreach`` steps and gradient-norm clipping. DTensor refuses
+``_foreach_*`` calls over lists that mix kinds (``got mixed torch.Tensor and DTensor``) before
+sharding propagation, so the fallback never sees them. They come from one place:
+``torch.optim`` and ``torch.nn.utils.clip_grad`` group tensors with
+``_group_tensors_by_device_and_dtype``, which puts a DTensor and a plain tensor of one device
+and dtype into one list (an optimizer over FSDP2 ``ignored_params`` with ``foreach=True``).
+The wrapped grouping keeps torch's groups and splits a group only where it mixes kinds, so
+each ``_foreach_*`` call sees one kind: the fix sits at the source, with no handler on the
+``_foreach_*`` ops (the optimizer's hot path), and costs one ``type()`` look per tensor per
+grouping. ``clip_grad_norm_`` / ``get_total_norm`` over such lists compute the true global
+norm: one norm per kind (a DTensor group's norm reduced over its mesh), combined as torch
+combines per-tensor norms (``vector_norm`` of the stacked norms).
+
+Uncertain: any other plain tensor beside DTensors. :func:`ambiguity_error` replaces torch's
+refusal with a :class:`~dtensor_patches.errors.MixedTensorError` naming both readings and how
+to choose (``implicit_replication()`` or :func:`gathered_locally`), where torch makes that check
+in Python (2.9; from 2.10 only for the calls its C++ dispatch hands back to Python).
+
+These are the fallback's registrations (:func:`registrations`): on while it is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtensor_patches._torch.dtensors import dtensor_class, full_tensor
+from dtensor_patches._torch.schemas import tree_leaves, tree_map
+from dtensor_patches.dispatch.wrappers import WrappedFunction, original_function
+from dtensor_patches.errors import MixedTensorError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "ambiguity_error",
+    "clip_grads_with_norm",
+    "gathered_locally",
+    "registrations",
+    "total_norm",
+]
+
+
+class _KindKey(tuple):  # type: ignore[type-arg]
+    """A ``(device, dtype)`` group key that also tells groups of other kinds apart (it unpacks
+    to ``(device, dtype)`` as torch's callers expect)."""
+
+    kind: Any
+
+    def __new__(cls, key: tuple[Any, Any], kind: Any) -> _KindKey:
+        self = super().__new__(cls, key)
+        self.kind = kind
+        return self
+
+    def __hash__(self) -> int:
+        return hash((tuple(self), id(self.kind)))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _KindKey) and tuple(self) == tuple(other) and self.kind is other.kind
+        )
+
+
+def _kind(tensor: Any, dtensor: type) -> DeviceMesh | None:
+    """``None`` for a plain tensor, the mesh for a DTensor."""
+    return tensor.device_mesh if isinstance(tensor, dtensor) else None
+
+
+def _grouping(original: Callable[..., Any]) -> Callable[..., Any]:
+    def grouped_by_kind(tensorlistlist: Any, with_indices: bool = False) -> Any:
+        """torch's ``_group_tensors_by_device_and_dtype``, with each group split by kind
+        (plain tensors; DTensors per mesh) where it mixes them."""
+        grouped = original(tensorlistlist, with_indices)
+        dtensor = dtensor_class()
+        out: dict[Any, Any] = {}
+        for key, (lists, indices) in grouped.items():
+            first = lists[0]
+            types = {type(t) for t in first}
+            if len(types) == 1 and not issubclass(next(iter(types)), dtensor):
+                out[key] = (lists, indices)
+                continue
+            by_kind: dict[int, tuple[Any, list[int]]] = {}
+            for position, t in enumerate(first):
+                kind = _kind(t, dtensor)
+                by_kind.setdefault(id(kind), (kind, []))[1].append(position)
+            if len(by_kind) == 1:
+                out[key] = (lists, indices)
+                continue
+            for n, (kind, positions) in enumerate(by_kind.values()):
+                # Empty lists (amsgrad's max_exp_avg_sqs when unused) stay empty.
+                sub_lists = [[lst[p] for p in positions] if lst else lst for lst in lists]
+                sub_indices = (
+                    [indices[p] for p in positions] if len(indices) == len(first) else indices
+                )
+                out[key if n == 0 else _KindKey(key, kind)] = (sub_lists, sub_indices)
+        return out
+
+    return grouped_by_kind
+
+
+def _split(tensors: Iterable[Any]) -> dict[int, tuple[Any, list[Any]]]:
+    dtensor = dtensor_class()
+    by_kind: dict[int, tuple[Any, list[Any]]] = {}
+    for t in tensors:
+        kind = _kind(t, dtensor)
+        by_kind.setdefault(id(kind), (kind, []))[1].append(t)
+    return by_kind
+
+
+def total_norm(
+    tensors: Any,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    original: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm``, also over tensors of several kinds.
+
+    One kind: torch's own function and result (a DTensor for DTensors). Several: the norm of
+    each kind (reduced over its mesh: ``full_tensor()``), combined with
+    ``vector_norm(stack(norms), norm_type)`` as torch combines per-tensor norms; a plain
+    0-dim tensor on the first tensor's device, the same on every rank.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (torch's message).
+    """
+    torch_norm = original if original is not None else original_function("_get_total_norm")
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    kinds = _split(tensors)
+    if len(kinds) <= 1:
+        return torch_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    first_device = tensors[0].device
+    norms = []
+    for _kind_obj, group in kinds.values():
+        norm = full_tensor(torch_norm(group, norm_type, False, foreach))
+        norms.append(norm.to(first_device))
+    with torch.no_grad():
+        result = torch.linalg.vector_norm(torch.stack(norms), float(norm_type))
+    if error_if_nonfinite and torch.logical_or(result.isnan(), result.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    return result
+
+
+def clip_grads_with_norm(
+    parameters: Any,
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+    *,
+    original: Callable[..., None] | None = None,
+) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_``, also over parameters of several kinds: each
+    kind is scaled by the one coefficient, given to it as that kind (a plain ``total_norm``
+    becomes a ``Replicate()`` DTensor on each mesh; a DTensor one is gathered for plain
+    tensors)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    torch_clip = original if original is not None else original_function("_clip_grads_with_norm_")
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    kinds = _split(parameters)
+    if len(kinds) <= 1:
+        kind = next(iter(kinds.values()))[0] if kinds else None
+        if kind is None and isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()
+        elif kind is not None and not isinstance(total_norm, DTensor):
+            total_norm = DTensor.from_local(
+                total_norm, kind, [Replicate()] * kind.ndim, run_check=False
+            )
+        torch_clip(parameters, max_norm, total_norm, foreach)
+        return
+    full = full_tensor(total_norm)
+    for kind, group in kinds.values():
+        norm = (
+            full
+            if kind is None
+            else DTensor.from_local(full, kind, [Replicate()] * kind.ndim, run_check=False)
+        )
+        torch_clip(group, max_norm, norm, foreach)
+
+
+def _norm_of_kinds(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @torch.no_grad()
+    def get_total_norm(
+        tensors: Any,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        return total_norm(tensors, norm_type, error_if_nonfinite, foreach, original=original)
+
+    return get_total_norm
+
+
+def _clip_of_kinds(original: Callable[..., None]) -> Callable[..., None]:
+    @torch.no_grad()
+    def clip_grads_with_norm_(
+        parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None
+    ) -> None:
+        clip_grads_with_norm(parameters, max_norm, total_norm, foreach, original=original)
+
+    return clip_grads_with_norm_
+
+
+def ambiguity_error(
+    op: Any, plain: torch.Tensor, mesh: DeviceMesh, error: RuntimeError
+) -> MixedTensorError:
+    """The error for a plain tensor ``plain`` beside DTensors on ``mesh`` in a call of ``op``
+    that DTensor refused (``error``): a :class:`~dtensor_patches.errors.MixedTensorError`
+    naming both readings and the one line that says which is meant."""
+    shape = tuple(plain.shape)
+    mesh_shape = "x".join(str(s) for s in getattr(mesh, "shape", ())) or "?"
+    return MixedTensorError(
+        f"{op}: a plain torch.Tensor of shape {list(shape)} is passed beside DTensors (mesh "
+        f"{mesh_shape}), and what it holds is ambiguous. Say which:\n"
+        "  - the same values on every rank (a causal mask beside sharded attention scores, a "
+        "constant): wrap the call in "
+        "`with torch.distributed.tensor.experimental.implicit_replication():` (it is taken "
+        "as Replicate());\n"
+        "  - this rank's own data, with the DTensor's full value wanted (an FSDP2 parameter "
+        "used outside its module, e.g. `hidden @ lm_head.weight.T`): wrap it in "
+        "`with dtensor_patches.gathered_locally():` (the DTensors are gathered, "
+        "differentiably, and the call runs on plain tensors);\n"
+        "  - or make it a DTensor yourself: `DTensor.from_local(t, mesh, placements)`.\n"
+        f"(torch: {str(error).splitlines()[0]})",
+        op=str(op),
+        shape=shape,
+    )
+
+
+def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
+    def checked(self: Any, op_call: Any, tensor_arg: torch.Tensor, compute_mesh: Any) -> Any:
+        try:
+            return original(self, op_call, tensor_arg, compute_mesh)
+        except RuntimeError as error:
+            if "mixed torch.Tensor and DTensor" not in str(error):
+                raise
+            raise ambiguity_error(op_call, tensor_arg, compute_mesh, error) from error
+
+    return checked
+
+
+def registrations() -> list[WrappedFunction]:
+    """The wrapped torch functions that make mixed kinds work (or fail clearly)."""
+    return [
+        WrappedFunction("_try_replicate_spec_for_scalar_tensor", _checked),
+        WrappedFunction("_group_tensors_by_device_and_dtype", _grouping),
+        WrappedFunction("_get_total_norm", _norm_of_kinds),
+        WrappedFunction("get_total_norm", _norm_of_kinds),
+        WrappedFunction("_clip_grads_with_norm_", _clip_of_kinds),
+        WrappedFunction("clip_grads_with_norm_", _clip_of_kinds),
+    ]
+
+
+class _GatherMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        dtensor = dtensor_class()
+        kwargs = kwargs or {}
+        if any(isinstance(v, dtensor) for v in tree_leaves((args, kwargs))):
+            args, kwargs = tree_map(full_tensor, args), tree_map(full_tensor, kwargs)
+        return func(*args, **kwargs)
+
+
+def gathered_locally() -> torch.overrides.TorchFunctionMode:
+    """``with dtensor_patches.gathered_locally(): ...``: every DTensor argument of a torch call
+    in the block is gathered (``full_tensor()``, differentiable: its gradient flows back as a
+    reduce-scatter) and the call runs on plain tensors, returning plain tensors.
+
+    The second reading of a plain tensor beside a DTensor (``got mixed torch.Tensor and
+    DTensor``): the plain tensor is this rank's own data and the DTensor a sharded parameter
+    whose full value is wanted, e.g. ``hidden @ lm_head.weight.T`` outside an FSDP2 module.
+    For the first reading (the plain tensor is the same on every rank: a causal mask beside
+    sharded scores) use ``torch.distributed.tensor.experimental.implicit_replication()``.
+    """
+    return _GatherMode()

@@ -1,0 +1,285 @@
+"""Tracked views: a view that DTensor had to redistribute, whose writes reach the tensor it was
+made from.
+
+Slicing a sharded dim (``w[:2]`` of a ``Shard(0)`` ``w``) makes DTensor gather a temporary
+first; the view's local tensor points into that temporary, and a write into it never reaches
+``w`` (measured on every release 2.9 to 2.15). A :class:`TrackedView` is a ``DTensor`` subclass
+that records how it was made: its ops dispatch through its own ``__torch_dispatch__``, which
+unwraps it and, for an op that writes into it, computes the write on a scratch copy, replays
+the recorded view op on the gathered source to find the region, and writes the source's new
+shards into the source's own local tensor. Chains of such views are followed to the first
+untracked source. Nothing is written until every step has succeeded.
+
+Two things make tracked views: the :class:`TrackViews` registration (a miss rule for every op,
+acting on view ops whose input torch's own decision must redistribute), and the gather engine
+for view ops it runs. Only tracked views pay for the tracking; cached calls (ordinary slices
+that need no redistribution) pay nothing.
+
+torch 2.10 and 2.11 dispatch DTensor subclasses through the C++ fast path without calling
+their ``__torch_dispatch__`` (measured; 2.12 honours it again, 2.9 is Python), so a tracked
+view cannot see its writes there.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from dtensor_patches import state
+from dtensor_patches._torch.dispatch_hook import DivertedCall, NativeDecision
+from dtensor_patches._torch.dtensors import (
+    dtensor_class,
+    dtensor_types,
+    local_tensor,
+    rewrap,
+    shares_storage,
+)
+from dtensor_patches._torch.schemas import (
+    argument_names,
+    is_view_op,
+    tree_flatten,
+    tree_unflatten,
+    writes_self,
+    written_positions,
+)
+from dtensor_patches.dispatch.miss_rules import any_op_key, ensure_hook
+from dtensor_patches.dispatch.shards import shard_of
+from dtensor_patches.errors import LostWriteError
+from dtensor_patches.ledger import EntryKey
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._op_schema import OpSchema
+
+__all__ = ["TrackViews", "is_tracked", "track", "tracked_view_class", "view_rule"]
+
+
+@functools.cache
+def tracked_view_class() -> type:
+    """The ``TrackedView`` class (a ``DTensor`` subclass, built on first use so that importing
+    this module does not import ``torch.distributed.tensor``)."""
+
+    class TrackedView(dtensor_class()):  # type: ignore[misc]
+        """A DTensor view whose local tensor lives in a temporary (its input was
+        redistributed): an op that writes into it is carried into the tensor the view was made
+        from, as on a single device."""
+
+        dtensor_patches_view_of: tuple[Any, Any, tuple[Any, ...], dict[str, Any], int | None]
+
+        @classmethod
+        def __torch_dispatch__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            return _dispatch_tracked(func, args, kwargs or {})
+
+    return TrackedView
+
+
+def is_tracked(value: object) -> bool:
+    """Whether ``value`` is a tracked view."""
+    return isinstance(value, tracked_view_class())
+
+
+def _record(view: Any) -> tuple[Any, Any, tuple[Any, ...], dict[str, Any], int | None]:
+    """``(source, view op, other args, kwargs, output index)`` of a tracked view."""
+    return view.dtensor_patches_view_of
+
+
+def track(out: Any, source: Any, op_call: Any, rest: tuple[Any, ...], kwargs: Any) -> Any:
+    """``out`` (a DTensor view, or a list/tuple of them, of ``source`` made by ``op_call``) as
+    tracked views of ``source``."""
+    dtensor = dtensor_class()
+
+    def one(value: Any, index: int | None) -> Any:
+        if not isinstance(value, dtensor):
+            return value
+        tracked = rewrap(value, cls=tracked_view_class())
+        tracked.dtensor_patches_view_of = (source, op_call, rest, kwargs, index)
+        return tracked
+
+    if isinstance(out, (list, tuple)):
+        return type(out)(one(v, i) for i, v in enumerate(out))
+    return one(out, None)
+
+
+def _dispatch_tracked(func: Any, args: Any, kwargs: Any) -> Any:
+    flat, spec = tree_flatten((args, kwargs))
+    plain = [rewrap(a) if is_tracked(a) else a for a in flat]
+    plain_args, plain_kwargs = tree_unflatten(plain, spec)
+    written = _written_views(func, args, kwargs)
+    if written:
+        return _write_through(func, args, plain_args, plain_kwargs, written)
+    out = func(*plain_args, **plain_kwargs)
+    if is_view_op(func) and args and is_tracked(args[0]):
+        return track(out, args[0], func, tuple(args[1:]), dict(kwargs))
+    return out
+
+
+# Set while a tracked view's own view is being made from the redistributed input, so that the
+# rule leaves that inner call to torch (per thread: dispatch is per thread).
+_MAKING = threading.local()
+
+
+def _maker(wanted: tuple[Any, ...]) -> DivertedCall:
+    def run(op_call: Any, args: Any, kwargs: Any) -> Any:
+        source = args[0]
+        # Not ``source.detach()``: detach is a view op too, and some releases redistribute
+        # for it (``_NormPartial`` on 2.15), which would come back here.
+        plain = rewrap(source)
+        _MAKING.active = True
+        try:
+            with torch.no_grad():
+                moved = plain.redistribute(source.device_mesh, wanted)
+                out = op_call(moved, *args[1:], **kwargs)
+        finally:
+            _MAKING.active = False
+        return track(out, source, op_call, tuple(args[1:]), dict(kwargs))
+
+    return run
+
+
+def _is_spec(value: Any) -> bool:
+    return isinstance(value, dtensor_types().DTensorSpec)
+
+
+def view_rule(schema: OpSchema, native: NativeDecision) -> DivertedCall | None:
+    """The miss rule: a view op whose input torch's decision redistributes makes a tracked view
+    (made from the redistributed input, with torch's own decision for that inner call)."""
+    op = schema.op
+    args = schema.args_schema
+    if getattr(_MAKING, "active", False):
+        return None
+    if not (is_view_op(op) and args and _is_spec(args[0])):
+        return None
+    sharding = native.sharding()
+    if sharding is None or not sharding.needs_redistribute:
+        return None
+    moved = sharding.redistribute_schema
+    if moved is None or not _is_spec(moved.args_schema[0]):
+        return None
+    wanted = tuple(moved.args_schema[0].placements)
+    if wanted == tuple(args[0].placements):
+        return None
+    return _maker(wanted)
+
+
+@dataclass(frozen=True)
+class TrackViews:
+    """Make tracked views of every view op whose input DTensor must redistribute (a miss rule
+    for every op, :func:`view_rule`)."""
+
+    kind: ClassVar[str] = "tracked views"
+
+    @property
+    def concerns(self) -> tuple[str, ...]:
+        return ()
+
+    def entries(self) -> Sequence[EntryKey]:
+        return [(state.MISS_RULES_TABLE, any_op_key(view_rule))]
+
+    def install(self) -> None:
+        ensure_hook()
+        state.MISS_RULES[any_op_key(view_rule)] = view_rule
+
+
+# --- writes into tracked views ---------------------------------------------------------
+
+
+def _written_views(func: Any, args: Any, kwargs: Any) -> list[tuple[str, int | None, Any]]:
+    """The tracked views ``func`` writes into: ``(where, index, view)``, ``where`` is
+    ``"arg"``/``"kwarg:name"``."""
+    found: list[tuple[str, int | None, Any]] = []
+    names = argument_names(func)
+    for i in written_positions(func):
+        if i < len(args):
+            value, where, index = args[i], "arg", i
+        elif names[i] in kwargs:
+            value, where, index = kwargs[names[i]], f"kwarg:{names[i]}", None
+        else:
+            continue
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if is_tracked(v):
+                found.append((where, index, v))
+    return found
+
+
+def _region(record: Any, full_source: torch.Tensor) -> torch.Tensor:
+    """The recorded view op replayed on the plain full source: the view's place in it.
+
+    Raises:
+        LostWriteError: the replay is not a view into ``full_source``.
+    """
+    _, op_call, rest, kwargs, index = record
+    try:
+        region = op_call(full_source, *rest, **kwargs)
+    except RuntimeError as exc:
+        raise LostWriteError(
+            f"in-place write into a view made by {op_call} from a redistributed DTensor: "
+            f"replaying the view on the full tensor failed ({exc}), so its place in the base "
+            "cannot be found. Write into the base directly."
+        ) from exc
+    if index is not None:
+        region = region[index]
+    if not shares_storage(region, full_source):
+        raise LostWriteError(
+            f"in-place write into a view made by {op_call} from a redistributed DTensor: on a "
+            "plain tensor that op does not return a view, so the write has no place in the "
+            "base. Write into the base directly."
+        )
+    return region
+
+
+def _write_through(
+    func: Any,
+    args: Any,
+    plain_args: Any,
+    plain_kwargs: Any,
+    written: list[tuple[str, int | None, Any]],
+) -> Any:
+    """Run ``func`` on scratch copies of the written views, carry each new value up the chain
+    of sources, then write every local tensor at once (nothing changes if a step fails)."""
+    scratch: dict[int, Any] = {}
+    for where, index, view in written:
+        copy = rewrap(view, local=local_tensor(view).clone())
+        scratch[id(view)] = copy
+        if where == "arg" and index is not None:
+            plain_args = (*plain_args[:index], copy, *plain_args[index + 1 :])
+        else:
+            name = where.split(":", 1)[1]
+            plain_kwargs = {**plain_kwargs, name: copy}
+    with torch.no_grad():
+        out = func(*plain_args, **plain_kwargs)
+        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for _, _, view in written:
+            new = scratch[id(view)]
+            writes.append((local_tensor(view), local_tensor(new)))
+            node, new_full = view, new.full_tensor()
+            while is_tracked(node):
+                record = _record(node)
+                source = record[0]
+                full_source = rewrap(source).full_tensor()
+                _region(record, full_source).copy_(new_full)
+                writes.append(
+                    (
+                        local_tensor(source),
+                        shard_of(full_source, source.device_mesh, source.placements),
+                    )
+                )
+                node, new_full = source, full_source
+        for destination, value in writes:
+            destination.copy_(value)
+    if writes_self(func):
+        return args[0]
+    by_id = {id(scratch[id(view)]): view for _, _, view in written}
+
+    def back(value: Any) -> Any:
+        return by_id.get(id(value), value)
+
+    if isinstance(out, (list, tuple)):
+        return type(out)(back(v) for v in out)
+    return back(out)

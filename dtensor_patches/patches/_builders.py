@@ -1,0 +1,96 @@
+"""Registration builders shared by several patches (not patches themselves):
+
+- :func:`dimwise`: a strategy for an op that works along some dims (reductions, scans, order
+  statistics, flips, ``select``), see :func:`dtensor_patches.strategies.dimwise_strategy`;
+- :func:`reduce_partial_first`: a miss rule for an op that is wrong on a pending reduction:
+  ``Partial`` inputs are reduced first, then torch runs the call on the reduced inputs (its
+  normal strategy). The condition is in the op schema, so it is decided once per distinct
+  schema: calls without a ``Partial`` input keep torch's cached fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dtensor_patches._torch.dtensors import is_dtensor
+from dtensor_patches._torch.schemas import tree_leaves, tree_map
+from dtensor_patches.dispatch.miss_rules import DivertedCall, MissRule, NativeDecision
+from dtensor_patches.dispatch.strategy import Strategy
+from dtensor_patches.strategies import arg, dimwise_strategy, schema_info
+
+__all__ = ["dims_arg", "dimwise", "keepdim_arg", "reduce_partial_first"]
+
+DimsOf = Callable[[Any], "int | Sequence[int] | None"]
+
+
+def dims_arg(index: int, name: str = "dim", default: Any = None) -> DimsOf:
+    """Read the op's dims from argument ``name`` (positional ``index``)."""
+    return lambda op_schema: arg(op_schema, index, name, default)
+
+
+def keepdim_arg(index: int, name: str = "keepdim") -> Callable[[Any], bool]:
+    return lambda op_schema: bool(arg(op_schema, index, name, False))
+
+
+def dimwise(
+    op: str,
+    *,
+    dims: DimsOf,
+    keepdim: bool | Callable[[Any], bool] = True,
+    num_outputs: int | Callable[[Any], int] = 1,
+    linear: bool = False,
+    tuple_output: bool = False,
+    static_argnum: int = 1,
+    static_kwargkey: Sequence[str] | None = None,
+) -> Strategy:
+    """A :class:`Strategy` for ``op`` built on ``dimwise_strategy``.
+
+    ``static_argnum``/``static_kwargkey`` name the non-tensor arguments (dims, keepdim, k…)
+    that key the propagation cache; every argument from ``static_argnum`` on is hashed.
+    """
+
+    def strategy(op_schema: Any) -> Any:
+        return dimwise_strategy(
+            op_schema,
+            dims=dims(op_schema),
+            keepdim=keepdim(op_schema) if callable(keepdim) else keepdim,
+            num_outputs=num_outputs(op_schema) if callable(num_outputs) else num_outputs,
+            linear=linear,
+            tuple_output=tuple_output,
+        )
+
+    return Strategy(op, strategy, schema_info(static_argnum, static_kwargkey))
+
+
+def _has_partial(value: Any) -> bool:
+    placements = getattr(value, "placements", None)
+    return placements is not None and any(p.is_partial() for p in placements)
+
+
+def _reduce(value: Any) -> Any:
+    from torch.distributed.tensor import Replicate
+
+    if is_dtensor(value) and _has_partial(value):
+        wanted = [Replicate() if p.is_partial() else p for p in value.placements]
+        return value.detach().redistribute(value.device_mesh, wanted)
+    return value
+
+
+def _run_reduced(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with torch.no_grad():
+        args, kwargs = tree_map(_reduce, (args, kwargs))
+    return op_call(*args, **kwargs)
+
+
+def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
+    leaves = tree_leaves((schema.args_schema, schema.kwargs_schema))
+    return _run_reduced if any(_has_partial(x) for x in leaves) else None
+
+
+def reduce_partial_first(op: str) -> MissRule:
+    """A :class:`~dtensor_patches.dispatch.miss_rules.MissRule` for ``op``: calls with a ``Partial`` input
+    run on the reduced (``Replicate()`` on those mesh dims) inputs instead."""
+    return MissRule(op, _rule)

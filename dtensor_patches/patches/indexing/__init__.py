@@ -1,0 +1,1 @@
+"""Patches for advanced indexing, indexed writes and ops with data-dependent output shapes."""

@@ -1,0 +1,1 @@
+"""Patches for losses reduced over shards, and for loss_parallel()."""

@@ -1,0 +1,1 @@
+"""Patches for attention, convolutions and matrix-vector products."""

@@ -1,0 +1,1 @@
+"""Patches for tensor-parallel plans (parallelize_module and its styles)."""

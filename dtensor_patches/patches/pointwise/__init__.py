@@ -1,0 +1,1 @@
+"""Patches for elementwise ops and activations, and pending reductions through them."""

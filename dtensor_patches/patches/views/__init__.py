@@ -1,0 +1,1 @@
+"""Patches for views and shape ops: slices, selects, squeezes, stacks, flips, unfolds, as_strided."""

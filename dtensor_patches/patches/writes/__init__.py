@@ -1,0 +1,1 @@
+"""Patches for in-place writes: Partial targets, writes through redistributed views, in-place scans."""

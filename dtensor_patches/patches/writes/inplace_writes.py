@@ -1,0 +1,361 @@
+"""In-place writes on DTensors: ``Partial`` targets, fills, and writes through views.
+
+Three kinds of in-place write are wrong or refused by stock DTensor (measured on 2.9.1 to
+2.15.0, 2-rank gloo mesh):
+
+1. **An in-place op on a ``Partial`` target.** ``n = torch.linalg.vector_norm(x); n += 2``
+   or ``p.clamp_(min=0.5)`` with ``p`` a ``Partial(sum)`` DTensor: on 2.9/2.10 each rank
+   applies the op to its own share, so ``n += 2`` adds 2 per rank and ``clamp_`` clamps the
+   shares (silently wrong); from 2.12 DTensor refuses ("in-place operations that require
+   placement changes are not supported"). ``p.fill_(3)`` on a ``Partial(sum)`` target gives
+   ``world * 3`` on every release. ``Partial(max)``/``Partial(min)`` targets: ``neg_`` or
+   ``mul_(-1)`` are not linear for a max/min reduction.
+2. ``aten.fill_.Tensor`` (``x[:, 0] = 1.0``, ``x.fill_(t)``) has no sharding strategy on any
+   release (2.15 routes ``x[:, 0] = 1.0`` differently, but ``x.fill_(t)`` still fails).
+
+Where it acts, and what that costs: one miss rule for every op (``ANY_OP``), consulted
+only when a call meets sharding propagation without a cached decision. Calls whose schema shows
+none of the conditions below keep torch's decision, which is cached as usual: the common case
+(an ordinary ``add_``, ``copy_`` or ``mul_``) stays on torch's fast path and pays nothing per call.
+
+- *In-place op whose target is ``Partial``* (seen in the schema: the target spec's
+  placements). Ops linear in the target where torch is right (``mul_``/``div_`` by a number,
+  ``neg_``, ``zero_`` on ``Partial(sum/avg)``, from 2.11), and ``copy_`` from a source placed
+  exactly like the target, stay with torch. Every other call computes first: the target's
+  reduced value (one all-reduce, out of place), the op applied to it, then the new value
+  written back as shares of the target's *own* placements (``Partial(sum)``: the value on mesh
+  coordinate 0, zeros elsewhere; ``avg``/``max``/``min``: the value everywhere). The target
+  keeps its placements and never holds a half-reduced state: a view of a ``Partial`` base
+  writes valid shares into the base's memory, so the base stays consistent and nothing is
+  doubled. Ops that overwrite every element (``fill_``, ``copy_``, ``zero_``, random fills)
+  need no reduction at all. A failed op leaves the target untouched (the write is the last
+  step).
+- *In-place op torch refuses as a placement change* (``x.add_(r)`` with ``x`` sharded on a dim
+  shorter than the mesh, 2.12+): computed out of place and written into the target in its own
+  placements.
+
+Upstream: torch made the ``Partial`` case raise instead of computing wrong values (2.12,
+"in-place operations that require placement changes are not supported"); no release
+carries writes through redistributed views.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from dtensor_patches._torch.dtensors import (
+    dtensor_class,
+    dtensor_types,
+    has_base,
+    local_tensor,
+    relabel,
+    rewrap,
+)
+from dtensor_patches._torch.schemas import resolve_op, writes_self
+from dtensor_patches._torch.tables import has_native_strategy
+from dtensor_patches._torch.versions import torch_release
+from dtensor_patches.calls import partial_or_sharded_target
+from dtensor_patches.dispatch.miss_rules import ANY_OP, DivertedCall, NativeDecision
+from dtensor_patches.dispatch.shards import partial_shares
+from dtensor_patches.patch import MissRule, Patch, Registration, Strategy
+from dtensor_patches.reproducers import Case, randn
+from dtensor_patches.strategies import elementwise_strategy, uniform_strategy
+
+__all__ = ["PATCH"]
+
+
+class _Kind(enum.Enum):
+    """How an in-place op treats a ``Partial`` target."""
+
+    REDUCES = "needs the reduced value"  # non-linear or affine
+    LINEAR = "linear in the target"  # shares stay valid shares
+    OVERWRITES = "overwrites every element"  # old shares irrelevant
+
+
+# Classified in-place ops; any other in-place op on a Partial target counts as REDUCES, which
+# is correct for every op (it only costs the reduction).
+_KINDS: dict[str, _Kind] = {
+    "aten.zero_.default": _Kind.LINEAR,
+    "aten.mul_.Scalar": _Kind.LINEAR,
+    "aten.div_.Scalar": _Kind.LINEAR,
+    "aten.neg_.default": _Kind.LINEAR,
+    "aten.fill_.Scalar": _Kind.OVERWRITES,
+    "aten.fill_.Tensor": _Kind.OVERWRITES,
+    "aten.copy_.default": _Kind.OVERWRITES,
+    "aten.normal_.default": _Kind.OVERWRITES,
+    "aten.uniform_.default": _Kind.OVERWRITES,
+}
+
+# ``x.mul_(3.0)`` reaches DTensor as ``mul_.Tensor`` with a Python number: linear then.
+_LINEAR_WITH_NUMBER = frozenset({"aten.mul_.Tensor", "aten.div_.Tensor"})
+
+# Measured: on 2.9 native div_/neg_ on a Partial target leave it unchanged, on 2.10 they
+# raise; only from 2.11 does torch keep Partial(sum/avg) correctly in place.
+_NATIVE_LINEAR_INPLACE_ON_PARTIAL = Version("2.11")
+_LINEAR_REDUCE_OPS = frozenset({"sum", "avg"})
+
+# What DTensor (2.12+) says when an in-place op's strategies all change the target's placement.
+_PLACEMENT_CHANGE_REFUSAL = "in-place operations that require placement changes"
+
+
+def _follow_self(op_schema: Any) -> Any:
+    return elementwise_strategy(op_schema, driver=0)
+
+
+# Strategies the native path needs where torch has none (measured): ``fill_.Tensor`` and
+# ``fill.Tensor`` on every release so far, ``clamp_min_``/``clamp_max_`` up to 2.12.
+_STRATEGIES_IF_MISSING: dict[str, Callable[[Any], Any]] = {
+    "aten.fill_.Tensor": uniform_strategy,
+    "aten.fill.Tensor": uniform_strategy,
+    "aten.clamp_min_.default": _follow_self,
+    "aten.clamp_max_.default": _follow_self,
+}
+
+# Writes through views that DTensor had to redistribute: the ``view_writes`` patch.
+
+# --- the miss rule ------------------------------------------------------------------------
+
+
+def _is_spec(value: Any) -> bool:
+    return isinstance(value, dtensor_types().DTensorSpec)
+
+
+def _call_kind(name: str, args: Any, placements: Any) -> _Kind:
+    """How the in-place op ``name`` called with ``args`` (the schema's or the call's: the
+    second one is the same Python number in both) treats a target placed as ``placements``."""
+    kind = _KINDS.get(name, _Kind.REDUCES)
+    if (
+        name in _LINEAR_WITH_NUMBER
+        and len(args) > 1
+        and isinstance(args[1], (int, float))
+        and not isinstance(args[1], bool)
+    ):
+        kind = _Kind.LINEAR
+    if kind is _Kind.LINEAR:
+        reduce_ops = {str(p.reduce_op) for p in placements if p.is_partial()}
+        if torch_release() < _NATIVE_LINEAR_INPLACE_ON_PARTIAL or not (
+            reduce_ops <= _LINEAR_REDUCE_OPS
+        ):
+            return _Kind.OVERWRITES if name == "aten.zero_.default" else _Kind.REDUCES
+    return kind
+
+
+def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
+    op = schema.op
+    args = schema.args_schema
+    if writes_self(op) and args and _is_spec(args[0]):
+        target = args[0]
+        if any(p.is_partial() for p in target.placements):
+            kind = _call_kind(str(op), args, target.placements)
+            if kind is _Kind.LINEAR:
+                return None
+            if (
+                str(op) == "aten.copy_.default"
+                and len(args) > 1
+                and _is_spec(args[1])
+                and tuple(args[1].placements) == tuple(target.placements)
+            ):
+                return None  # copies the shares: torch is right, with no communication
+            return _write_partial_target
+        error = native.error()
+        if error is not None and _PLACEMENT_CHANGE_REFUSAL in str(error) and _has_twin(op):
+            return _through_out_of_place
+        return None
+    return None
+
+
+# --- Partial targets ------------------------------------------------------------------------
+
+
+def _settled(placements: Any) -> list[Any]:
+    from torch.distributed.tensor import Replicate
+
+    return [Replicate() if p.is_partial() else p for p in placements]
+
+
+def _write_partial_target(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """Compute the op on the reduced value of the target, then write the result back as shares
+    of the target's own placements. Placements unchanged; nothing written until the end.
+
+    ``Partial`` subclasses with their own reduction (``_NormPartial`` of a vector norm) cannot
+    hold an arbitrary value as shares (a norm's shares reduce to a non-negative value): those
+    mesh dims become ``Replicate()`` holding the value, which is only safe when nothing else
+    aliases the target, so a view of such a target is refused.
+    """
+    from torch.distributed.tensor import Partial, Replicate
+
+    target = args[0]
+    mesh, placements = target.device_mesh, tuple(target.placements)
+    own_reduction = [p.is_partial() and type(p) is not Partial for p in placements]
+    if any(own_reduction) and has_base(target):
+        raise RuntimeError(
+            f"{op_call}: in-place write into a view of a DTensor placed {placements}, whose "
+            "pending reduction cannot hold arbitrary values as shares; reduce it first "
+            "(x = x.redistribute(placements=[Replicate()]) or x.full_tensor())"
+        )
+    written = tuple(
+        Replicate() if own else p for p, own in zip(placements, own_reduction, strict=True)
+    )
+    kind = _call_kind(str(op_call), args, placements)
+    with torch.no_grad():
+        if kind is _Kind.OVERWRITES:
+            # Every element is overwritten: start from zeros, no reduction needed.
+            scratch = dtensor_class().from_local(
+                torch.zeros_like(local_tensor(target)),
+                mesh,
+                _settled(placements),
+                run_check=False,
+                shape=target.shape,
+                stride=target.stride(),
+            )
+        else:
+            plain = rewrap(target)
+            scratch = plain.redistribute(mesh, _settled(placements))
+        op_call(scratch, *args[1:], **kwargs)
+        new_local = partial_shares(local_tensor(scratch), mesh, written)
+        local_tensor(target).copy_(new_local)
+        if written != placements:
+            relabel(target, written)
+    return target
+
+
+# --- in-place calls torch refuses as a placement change -------------------------------------
+
+# The out-of-place twin of an in-place overload, where the overload names differ.
+_OUT_OF_PLACE_NAMES = {
+    "aten.pow_.Scalar": "aten.pow.Tensor_Scalar",
+    "aten.pow_.Tensor": "aten.pow.Tensor_Tensor",
+}
+# Random fills have no out-of-place twin with the same arguments.
+_NO_TWIN = frozenset({"aten.normal_.default", "aten.uniform_.default"})
+
+
+def _has_twin(op: Any) -> bool:
+    return str(op) not in _NO_TWIN
+
+
+def _out_of_place(op_call: Any) -> Any:
+    name = str(op_call)
+    twin = _OUT_OF_PLACE_NAMES.get(name)
+    if twin is None:
+        namespace, packet, overload = name.split(".")
+        twin = f"{namespace}.{packet.removesuffix('_')}.{overload}"
+    return resolve_op(twin)
+
+
+def _through_out_of_place(op_call: Any, args: Any, kwargs: Any) -> Any:
+    """Compute the op out of place, then write it into the target in its own placements.
+
+    The result is checked like ATen checks an in-place result: same shape, castable dtype.
+    """
+    target = args[0]
+    if str(op_call) == "aten.copy_.default":
+        # ``copy`` (the twin) has no strategy on some releases; the result is ``src`` itself.
+        src = args[1]
+        result = src.expand(target.shape) if isinstance(src, dtensor_class()) else src
+        if not isinstance(result, dtensor_class()):
+            raise RuntimeError(f"{op_call}: expected a DTensor source, got {type(src).__name__}")
+    else:
+        result = _out_of_place(op_call)(*args, **kwargs)
+    if tuple(result.shape) != tuple(target.shape):
+        raise RuntimeError(
+            f"{op_call}: output with shape {list(target.shape)} doesn't match the broadcast "
+            f"shape {list(result.shape)}"
+        )
+    if not torch.can_cast(result.dtype, target.dtype):
+        raise RuntimeError(
+            f"{op_call}: result type {result.dtype} can't be cast to the desired output type "
+            f"{target.dtype}"
+        )
+    with torch.no_grad():
+        placed = result.detach().redistribute(target.device_mesh, target.placements).to_local()
+        local_tensor(target).copy_(placed.to(target.dtype))
+    return target
+
+
+def _registrations() -> list[Registration]:
+    registrations: list[Registration] = []
+    for name, strategy in _STRATEGIES_IF_MISSING.items():
+        # Only where torch has none, so a native strategy is never shadowed.
+        if not has_native_strategy(resolve_op(name)):
+            registrations.append(Strategy(name, strategy))
+    registrations.append(MissRule(ANY_OP, _rule))
+    return registrations
+
+
+# --- reproducer -------------------------------------------------------------------------
+
+
+def _norm_plus_two(x: torch.Tensor) -> torch.Tensor:
+    n = torch.linalg.vector_norm(x)
+    n += 2
+    return n
+
+
+def _sum_then_clamp(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(0).clamp_(min=0.5)
+
+
+def _sum_then_fill(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(0).fill_(3.0)
+
+
+def _set_element_of_sum(x: torch.Tensor) -> torch.Tensor:
+    # A slice, not ``p[0]``: on 2.9 ``select`` has its own bug (the ``select_spec`` patch),
+    # which would make this patch's tripwire depend on another patch.
+    p = x.sum(0)
+    p[0:1] = 5.0
+    return p
+
+
+def _add_through_view_of_sum(x: torch.Tensor) -> torch.Tensor:
+    p = x.sum(0)
+    p[:2].add_(1.0)
+    return p
+
+
+def _negate_max(x: torch.Tensor) -> torch.Tensor:
+    return x.amax(0).mul_(-1.0)
+
+
+def _first_column(x: torch.Tensor) -> torch.Tensor:
+    x[:, 0] = 1.0
+    return x
+
+
+def _fill_with_tensor(x: torch.Tensor) -> torch.Tensor:
+    return x.fill_(torch.tensor(2.5))
+
+
+# The tripwire's cases: Partial targets (views of them too), ``fill_.Tensor``.
+CASES = [
+    Case("vector_norm(x) += 2", _norm_plus_two, lambda: [randn(5, 6)], ["S0"]),
+    Case("x.sum(0).clamp_(min=0.5)", _sum_then_clamp, lambda: [randn(5, 6)], ["S0"]),
+    Case("x.sum(0).fill_(3)", _sum_then_fill, lambda: [randn(5, 6)], ["S0"]),
+    Case("p = x.sum(0); p[0:1] = 5", _set_element_of_sum, lambda: [randn(5, 6)], ["S0"]),
+    Case("p = x.sum(0); p[:2].add_(1)", _add_through_view_of_sum, lambda: [randn(5, 6)], ["S0"]),
+    Case("x.amax(0).mul_(-1)", _negate_max, lambda: [randn(5, 6)], ["S0"]),
+    Case("x[:, 0] = 1.0", _first_column, lambda: [randn(5, 6)], ["S0"], inplace=True),
+    Case("x.fill_(tensor)", _fill_with_tensor, lambda: [randn(5, 6)], ["S1"], inplace=True),
+]
+
+
+PATCH = Patch(
+    name="inplace_writes",
+    summary=(
+        "in-place ops on Partial targets (and views of them) write valid shares; in-place "
+        "calls refused as a placement change run out of place; fill_.Tensor strategy"
+    ),
+    ops=(*_KINDS, *_STRATEGIES_IF_MISSING),
+    gate=SpecifierSet(">=2.9"),
+    registrations=_registrations,
+    cases=CASES,
+    concerns=partial_or_sharded_target,
+    overrides_existing=True,
+)
