@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # a benchmark, outside the package
 
 
 class _Bytes(TorchDispatchMode):
@@ -63,7 +63,7 @@ class _Bytes(TorchDispatchMode):
 
 
 def _forced_fallback(ops: set[Any]) -> Any:
-    from dtensor_patches import fallback
+    from dtensor_patches.dispatch import fallback
 
     def rule(schema: Any, native: Any) -> Any:
         if schema.op not in ops:
@@ -78,9 +78,9 @@ def _forced_fallback(ops: set[Any]) -> Any:
 
 
 def _gathered(op_call: Any, args: Any, kwargs: Any) -> Any:
-    from dtensor_patches import fallback
+    from dtensor_patches.dispatch import gather
 
-    return fallback.run_gathered(op_call, tuple(args), dict(kwargs), "forced")
+    return gather.run_gathered(op_call, tuple(args), dict(kwargs), "forced")
 
 
 def _time(fn: Any) -> tuple[float, int]:
@@ -92,27 +92,25 @@ def _time(fn: Any) -> tuple[float, int]:
 
 
 def _on_rank(repeats: int, skip_alone: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    import importlib
+    from dtensor_patches import registry
+    from dtensor_patches._torch.schemas import resolve_op
+    from dtensor_patches._torch.tables import has_native_handler
+    from dtensor_patches.dispatch import fallback, registration
+    from dtensor_patches.dispatch.handler import Handler
+    from dtensor_patches.dispatch.miss_rules import ANY_OP, MissRule
+    from dtensor_patches.reproducers import to_dtensor
+    from dtensor_patches.testing import world_mesh
+    from dtensor_patches.tripwire import with_required
 
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from dtensor_patches import compat, fallback, registry
-    from dtensor_patches._repro import _to_dtensor
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     rows = []
     owner = object()
     for patch in registry.all_patches():
-        if not patch.applies_to():
+        if not patch.applies_to() or not patch.cases:
             continue
-        module = importlib.import_module(f"dtensor_patches.patches.{patch.name}")
-        cases = getattr(module, "CASES", None)
-        if not cases:
-            continue
-        case = cases[0]
+        case = patch.cases[0]
         inputs = [
-            _to_dtensor(x, mesh, p) if p is not None else x
+            to_dtensor(x, mesh, p) if p is not None else x
             for x, p in zip(case.inputs(), case.placements, strict=True)
         ]
 
@@ -126,10 +124,11 @@ def _on_rank(repeats: int, skip_alone: tuple[str, ...] = ()) -> list[dict[str, A
         if measured:
             fallback.install("warn")
             try:
-                alone = patch.reproduce(mesh)
+                with with_required(patch):
+                    alone = patch.reproduce_on(mesh)
             finally:
                 fallback.uninstall()
-        ops = {compat.resolve_op(name) for name in patch.ops}
+        ops = {resolve_op(name) for name in patch.ops}
         samples: dict[str, list[float]] = {"patch": [], "fallback": []}
         moved: dict[str, int] = {}
         errors: dict[str, str] = {}
@@ -139,25 +138,13 @@ def _on_rank(repeats: int, skip_alone: tuple[str, ...] = ()) -> list[dict[str, A
                     patch.apply()
                 else:
                     fallback.install("warn")
-                    forced = _forced_fallback(ops)
-                    key = compat.any_op_key(forced)
-                    compat.install_owned(
-                        owner,
-                        [key],
-                        lambda key=key, forced=forced: compat.register_miss_rule(key, forced),
-                    )
                     # Ops torch sends to a custom handler never reach propagation: replace
                     # the handler with the fallback's computation for the duration.
-                    handled = [op for op in ops if compat.has_native_handler(op)]
-                    if handled:
-                        compat.install_owned(
-                            owner,
-                            handled,
-                            lambda handled=handled: [
-                                compat.register_custom_handler(op, _gathered) for op in handled
-                            ],
-                        )
-                    compat.clear_sharding_caches()
+                    forced = [
+                        MissRule(ANY_OP, _forced_fallback(ops)),
+                        *(Handler(str(op), _gathered) for op in ops if has_native_handler(op)),
+                    ]
+                    registration.install(owner, forced)
                 try:
                     call()  # warm: propagation caches, first-call logging
                     seconds, n = _time(call)
@@ -169,7 +156,7 @@ def _on_rank(repeats: int, skip_alone: tuple[str, ...] = ()) -> list[dict[str, A
                     if way == "patch":
                         patch.revert()
                     else:
-                        compat.remove_owner(owner)
+                        registration.remove(owner)
                         fallback.uninstall()
         rows.append(
             {

@@ -34,11 +34,11 @@ import torch
 # (label, patch, input placement, op on x, lower bound on collectives, comparable native op;
 # None: the same op on stock torch)
 CASES: list[tuple[str, str, str, Callable[[Any], Any], int, Callable[[Any], Any] | None]] = [
-    ("argmax(x, 1)", "reductions_2_9", "S0", lambda x: x.argmax(1), 0, lambda x: x.amax(1)),
-    ("argmax(x, 1)", "reductions_2_9", "S1", lambda x: x.argmax(1), 1, lambda x: x.amax(1)),
+    ("argmax(x, 1)", "dim_reductions", "S0", lambda x: x.argmax(1), 0, lambda x: x.amax(1)),
+    ("argmax(x, 1)", "dim_reductions", "S1", lambda x: x.argmax(1), 1, lambda x: x.amax(1)),
     (
         "logsumexp(x, 1)",
-        "reductions_2_9",
+        "dim_reductions",
         "S0",
         lambda x: torch.logsumexp(x, 1),
         0,
@@ -73,7 +73,7 @@ CASES: list[tuple[str, str, str, Callable[[Any], Any], int, Callable[[Any], Any]
     ),
     (
         "mse_loss(x, y)",
-        "mse_loss",
+        "elementwise_losses",
         "S0",
         lambda x: torch.nn.functional.mse_loss(x, x * 0.5),
         0,

@@ -83,6 +83,8 @@ class Patch:
             first; the registry orders them before this one).
         upstream_issue: the torch issue that reports the bug, when known.
         upstream_fix: the torch PR (and release) that fixed it, when known.
+        communication: what the fix moves between ranks, against the lower bound of the
+            computation (the patch table shows it; ``benchmarks/patch_costs.py`` counts it).
         replicates: ``True`` when the fix moves data to ``Replicate()`` instead of keeping a
             sharding; the patch table shows it.
         overrides_existing: ``True`` for fixes that replace a strategy torch already registers
@@ -112,6 +114,7 @@ class Patch:
     requires: tuple[str, ...] = ()
     upstream_issue: str | None = None
     upstream_fix: str | None = None
+    communication: str = ""
     replicates: bool = False
     overrides_existing: bool = False
     out_variants: bool = True

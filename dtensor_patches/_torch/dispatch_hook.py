@@ -138,9 +138,10 @@ def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[st
     )
     attribute(propagator, "propagate_op_sharding", "ShardingPropagator.propagate_op_sharding")
 
-    def propagate(op_schema: Any) -> Any:
+    def propagate(op_schema: OpSchema) -> Any:
         op = op_schema.op
-        if getattr(_CURRENT, "op", None) is not op or not _active():
+        current = getattr(_CURRENT, "op", None)
+        if current is not op or not _active():
             return non_cached(op_schema)
         native = NativeDecision(lambda: non_cached(op_schema))
         run = decide(op, op_schema, native)

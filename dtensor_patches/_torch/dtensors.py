@@ -167,7 +167,7 @@ def spec_with_placements(spec: DTensorSpec, placements: Iterable[Placement]) -> 
     if "shard_order" in names:
         # Derived from the placements when not given (2.13); the old order would not match.
         changes["shard_order"] = None
-    return dataclasses.replace(spec, **changes)  # type: ignore[type-var]
+    return dataclasses.replace(spec, **changes)
 
 
 def relabel(dtensor: DTensor, placements: Iterable[Placement]) -> None:

@@ -110,7 +110,7 @@ def _loss_parallel_handlers() -> Any:
     return handlers
 
 
-_OWN_TABLES: dict[str, Table] = {
+_OWN_TABLES: dict[str, Any] = {
     state.MISS_RULES_TABLE: state.MISS_RULES,
     state.FALLBACK_TABLE: state.FALLBACK,
 }

@@ -23,6 +23,7 @@ from dtensor_patches._torch.dtensors import (
     dtensor_class,
     first_mesh,
     full_tensor,
+    is_dtensor,
     local_tensor,
 )
 from dtensor_patches._torch.schemas import (
@@ -98,7 +99,7 @@ def _gather(value: Any) -> tuple[Any, int]:
     """The full tensor of a DTensor (detached, on every rank) and the bytes it moved here."""
     from torch.distributed.tensor import Replicate
 
-    if not isinstance(value, dtensor_class()):
+    if not is_dtensor(value):
         return value, 0
     local = local_tensor(value)
     if all(isinstance(p, Replicate) for p in value.placements):

@@ -26,8 +26,7 @@ from dtensor_patches.dispatch import hook
 from dtensor_patches.ledger import EntryKey
 
 if TYPE_CHECKING:
-    from torch._ops import OpOverload
-    from torch.distributed.tensor._op_schema import OpSchema
+    from dtensor_patches._torch.types import OpOverload, OpSchema
 
 __all__ = [
     "ANY_OP",

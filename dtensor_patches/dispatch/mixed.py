@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-class _KindKey(tuple):  # type: ignore[type-arg]
+class _KindKey(tuple[Any, ...]):
     """A ``(device, dtype)`` group key that also tells groups of other kinds apart (it unpacks
     to ``(device, dtype)`` as torch's callers expect)."""
 
@@ -68,7 +68,8 @@ class _KindKey(tuple):  # type: ignore[type-arg]
 
 def _kind(tensor: Any, dtensor: type) -> DeviceMesh | None:
     """``None`` for a plain tensor, the mesh for a DTensor."""
-    return tensor.device_mesh if isinstance(tensor, dtensor) else None
+    mesh: DeviceMesh | None = getattr(tensor, "device_mesh", None)
+    return mesh if isinstance(tensor, dtensor) else None
 
 
 def _grouping(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -18,7 +18,7 @@ from dtensor_patches.dispatch.registration import entry_keys
 from dtensor_patches.ledger import EntryKey
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
+    from dtensor_patches._torch.types import OpSchema, RuntimeSchemaInfo
 
 __all__ = ["Strategy"]
 

@@ -53,7 +53,7 @@ from dtensor_patches.errors import LostWriteError
 from dtensor_patches.ledger import EntryKey
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor._op_schema import OpSchema
+    from dtensor_patches._torch.types import OpSchema
 
 __all__ = ["TrackViews", "is_tracked", "track", "tracked_view_class", "view_rule"]
 
@@ -159,10 +159,12 @@ def view_rule(schema: OpSchema, native: NativeDecision) -> DivertedCall | None:
     if sharding is None or not sharding.needs_redistribute:
         return None
     moved = sharding.redistribute_schema
-    if moved is None or not _is_spec(moved.args_schema[0]):
+    source: Any = args[0]
+    target: Any = moved.args_schema[0] if moved is not None else None
+    if not _is_spec(target):
         return None
-    wanted = tuple(moved.args_schema[0].placements)
-    if wanted == tuple(args[0].placements):
+    wanted = tuple(target.placements)
+    if wanted == tuple(source.placements):
         return None
     return _maker(wanted)
 

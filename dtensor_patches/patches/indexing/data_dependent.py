@@ -68,4 +68,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     replicates=True,
+    communication="**replicates** (output shape is global)",
 )

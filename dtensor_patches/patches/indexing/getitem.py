@@ -202,4 +202,5 @@ PATCH = Patch(
     cases=CASES,
     concerns=mixed_and_sharded,
     overrides_existing=True,
+    communication="only a shard on an indexed dim",
 )

@@ -72,4 +72,5 @@ PATCH = Patch(
     cases=CASES,
     upstream_fix="native strategies from torch 2.12 (measured)",
     overrides_existing=True,
+    communication="as `index_writes`",
 )

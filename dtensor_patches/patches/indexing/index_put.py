@@ -169,4 +169,5 @@ PATCH = Patch(
     concerns=mixed_and_sharded,
     replicates=True,
     overrides_existing=True,
+    communication="**replicates** (gathers, writes back the shard)",
 )

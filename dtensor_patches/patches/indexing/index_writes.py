@@ -153,4 +153,9 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     overrides_existing=True,
+    communication=(
+        "none when sharded off `dim`; `index_*` along a sharded `dim` keep each rank's "
+        "index entries (no gather of `x`); `scatter*` along a sharded `dim`, `put_`, "
+        "`Partial`: **replicates**"
+    ),
 )

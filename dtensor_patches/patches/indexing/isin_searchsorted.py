@@ -139,4 +139,5 @@ PATCH = Patch(
     gate=SpecifierSet(">=2.9"),
     registrations=_registrations,
     cases=CASES,
+    communication="the lookup table (and sorter) is gathered",
 )

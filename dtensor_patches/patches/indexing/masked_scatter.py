@@ -55,4 +55,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     replicates=True,
+    communication="**replicates**",
 )

@@ -137,4 +137,5 @@ PATCH = Patch(
     cases=CASES,
     concerns=uneven_or_sharded,
     overrides_existing=True,
+    communication="none",
 )

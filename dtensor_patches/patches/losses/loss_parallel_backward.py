@@ -130,4 +130,5 @@ PATCH = Patch(
     reproduce=reproduce,
     upstream_issue="https://github.com/pytorch/pytorch/issues/190746",
     overrides_existing=True,
+    communication="one all-reduce of a `[batch, 1]` tensor; class dim stays sharded",
 )

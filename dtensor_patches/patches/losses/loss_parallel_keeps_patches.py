@@ -94,4 +94,5 @@ PATCH = Patch(
     reproduce=reproduce,
     requires=("nll_loss",),
     overrides_existing=True,
+    communication="none",
 )

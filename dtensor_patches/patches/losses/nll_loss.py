@@ -97,4 +97,5 @@ PATCH = Patch(
     cases=CASES,
     concerns=uneven_or_sharded,
     overrides_existing=True,
+    communication="one scalar all-reduce for `mean`; a shard on the class dim is gathered",
 )

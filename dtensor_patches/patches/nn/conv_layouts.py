@@ -213,4 +213,5 @@ PATCH = Patch(
     cases=CASES,
     replicates=True,  # every layout but the batch one is computed on gathered inputs
     overrides_existing=True,
+    communication="none in the batch layout; else **replicates**",
 )

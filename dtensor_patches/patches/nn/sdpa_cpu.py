@@ -153,4 +153,5 @@ PATCH = Patch(
     gate=SpecifierSet(">=2.9"),
     registrations=_registrations,
     cases=CASES,
+    communication="sequence/feature shards, masks: gathered",
 )

@@ -133,4 +133,5 @@ PATCH = Patch(
     registrations=_registrations,
     reproduce=reproduce,
     overrides_existing=True,
+    communication="none",
 )

@@ -62,4 +62,5 @@ PATCH = Patch(
     concerns=partial_plus_scalar,
     upstream_fix="correct from torch 2.11 (measured): single-dim strategy with Partial rules",
     overrides_existing=True,
+    communication="none, except `Partial(sum)` + scalar",
 )

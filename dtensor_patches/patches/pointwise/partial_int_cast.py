@@ -82,4 +82,5 @@ PATCH = Patch(
     concerns=partial_inputs_only,
     upstream_fix="correct from torch 2.12 (measured): dtype-aware _to_copy strategy",
     overrides_existing=True,
+    communication="none, except integer casts of `Partial`",
 )

@@ -131,4 +131,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     overrides_existing=True,
+    communication="the whole input, without `dim` or for 1-D",
 )

@@ -48,4 +48,5 @@ PATCH = Patch(
     cases=CASES,
     upstream_fix="single-dim cumsum strategy in torch 2.14 (measured)",
     overrides_existing=True,
+    communication="only a shard on `dim`",
 )

@@ -45,4 +45,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     overrides_existing=True,
+    communication="only a shard on the reduced dim",
 )

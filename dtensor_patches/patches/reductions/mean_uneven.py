@@ -84,4 +84,5 @@ PATCH = Patch(
     concerns=uneven_shards,
     upstream_fix="correct from torch 2.10 (measured)",
     overrides_existing=True,
+    communication="only uneven reduced dims",
 )

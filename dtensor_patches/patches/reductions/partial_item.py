@@ -54,4 +54,5 @@ PATCH = Patch(
     upstream_issue="https://github.com/pytorch/pytorch/issues/166638",
     upstream_fix="https://github.com/pytorch/pytorch/pull/167598 (not in any release up to 2.15.0, measured)",
     overrides_existing=True,
+    communication="one scalar all-reduce, `Partial` inputs only",
 )

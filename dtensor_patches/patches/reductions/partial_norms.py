@@ -71,4 +71,5 @@ PATCH = Patch(
     cases=CASES,
     upstream_fix="https://github.com/pytorch/pytorch/pull/159856, https://github.com/pytorch/pytorch/pull/165962 (2.10)",
     overrides_existing=True,
+    communication="all-reduce of `Partial` inputs only; shards keep torch's path",
 )

@@ -60,4 +60,5 @@ PATCH = Patch(
     reproduce=reproduce,
     upstream_issue="https://github.com/pytorch/pytorch/issues/170427",
     upstream_fix="https://github.com/pytorch/pytorch/pull/166867 (torch 2.10)",
+    communication="none",
 )

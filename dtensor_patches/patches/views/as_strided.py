@@ -107,4 +107,5 @@ PATCH = Patch(
     cases=CASES,
     replicates=True,
     overrides_existing=True,
+    communication="replicates: the whole input",
 )

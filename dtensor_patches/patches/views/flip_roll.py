@@ -44,4 +44,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     upstream_fix="native strategies from torch 2.12 (measured)",
+    communication="only a shard on a flipped/rolled dim",
 )

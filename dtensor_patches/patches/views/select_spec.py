@@ -63,4 +63,5 @@ PATCH = Patch(
     cases=CASES,
     concerns=undecidable,
     overrides_existing=True,
+    communication="none (a shard on the selected dim is gathered, as torch does)",
 )

@@ -83,4 +83,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     overrides_existing=True,
+    communication="none, unless a size-1 dim is itself sharded",
 )

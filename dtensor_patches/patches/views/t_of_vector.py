@@ -56,4 +56,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     overrides_existing=True,
+    communication="none",
 )

@@ -57,4 +57,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     upstream_fix="native strategy from torch 2.10 (measured)",
+    communication="only a shard on `dim`",
 )

@@ -37,4 +37,5 @@ PATCH = Patch(
     registrations=_registrations,
     cases=CASES,
     upstream_issue=None,
+    communication="only a shard on `dim`",
 )

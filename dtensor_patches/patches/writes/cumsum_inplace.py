@@ -69,4 +69,5 @@ PATCH = Patch(
     cases=CASES,
     concerns=partial_or_sharded_target,
     overrides_existing=True,
+    communication="only a shard on `dim`",
 )

@@ -358,4 +358,8 @@ PATCH = Patch(
     cases=CASES,
     concerns=partial_or_sharded_target,
     overrides_existing=True,
+    communication=(
+        "nothing on cached calls (ordinary `add_`, `copy_`, `mul_` stay on torch's fast "
+        "path); a `Partial` target: one all-reduce"
+    ),
 )

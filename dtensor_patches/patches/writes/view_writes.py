@@ -75,4 +75,8 @@ PATCH = Patch(
     cases=CASES,
     replicates=True,
     overrides_existing=True,
+    communication=(
+        "nothing on cached calls; a write through a tracked view: a gather of its source "
+        "(**replicates** the source once)"
+    ),
 )
