@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from dtensor_patches.dispatch.fallback import FALLBACK_ENV
     from dtensor_patches.dispatch.fallback_report import FallbackRecord, fallback_report
     from dtensor_patches.dispatch.mixed import gathered_locally
-    from dtensor_patches.health import PatchHealth, RegistryHealth, health
     from dtensor_patches.patch import (
         Handler,
         LossParallelHandler,
@@ -44,11 +43,12 @@ if TYPE_CHECKING:
         plan,
         revert_all,
     )
+    from dtensor_patches.registry_health import PatchHealth, RegistryHealth, health
     from dtensor_patches.report import Outcome, Report, Status
     from dtensor_patches.scan import scan
     from dtensor_patches.verify import Mismatch, VerifyError, VerifyReport, verify
 
-__version__ = "0.2.0"
+__version__ = "0.1.0"
 
 # name -> module that defines it; importing those modules imports torch.
 _LAZY = {
@@ -74,20 +74,20 @@ _LAZY = {
     "FallbackRecord": "dtensor_patches.dispatch.fallback_report",
     "fallback_report": "dtensor_patches.dispatch.fallback_report",
     "gathered_locally": "dtensor_patches.dispatch.mixed",
-    "PatchHealth": "dtensor_patches.health",
-    "RegistryHealth": "dtensor_patches.health",
-    "health": "dtensor_patches.health",
+    "PatchHealth": "dtensor_patches.registry_health",
+    "RegistryHealth": "dtensor_patches.registry_health",
+    "health": "dtensor_patches.registry_health",
     "Mismatch": "dtensor_patches.verify",
     "VerifyError": "dtensor_patches.verify",
     "VerifyReport": "dtensor_patches.verify",
     "verify": "dtensor_patches.verify",
 }
 
-# 0.1.0 names -> their 0.2.0 names (module:name); they warn for one release.
+# Former names -> their new ones (module:name); they warn until the next release.
 _DEPRECATED = {
-    "status": "dtensor_patches.health:health",
-    "RegistryStatus": "dtensor_patches.health:RegistryHealth",
-    "PatchState": "dtensor_patches.health:PatchHealth",
+    "status": "dtensor_patches.registry_health:health",
+    "RegistryStatus": "dtensor_patches.registry_health:RegistryHealth",
+    "PatchState": "dtensor_patches.registry_health:PatchHealth",
 }
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Names that moved in 0.2.0, kept importable from their old modules for one release.
+"""Names the redesign moved, kept importable from their old modules until the next release.
 
 An old module (``dtensor_patches.compat``, ``.fallback``, ``.mixed``, ``.handlers``,
 ``.status``) holds only a module ``__getattr__`` made by :func:`forward`: the first access of a
@@ -26,7 +26,7 @@ def forward(old: str, moved: Mapping[str, str], gone: str = "") -> Callable[[str
             if name.startswith("__"):
                 raise AttributeError(name)
             raise AttributeError(
-                f"{old}.{name} is gone in dtensor_patches 0.2.0" + (f": {gone}" if gone else "")
+                f"{old}.{name} is gone (the redesign moved it)" + (f": {gone}" if gone else "")
             )
         module_name, _, attr = target.partition(":")
         warnings.warn(

@@ -1,7 +1,7 @@
-"""The 0.1.0 home of every private torch touch: now ``dtensor_patches._torch`` (the boundary) and
+"""The former home of every private torch touch: now ``dtensor_patches._torch`` (the boundary) and
 ``dtensor_patches.dispatch`` (the mechanisms).
 
-Moved in 0.2.0; the old names import with a ``DeprecationWarning`` for one release."""
+Moved by the redesign; the old names import with a ``DeprecationWarning`` until the next release."""
 
 from dtensor_patches._moved import forward
 

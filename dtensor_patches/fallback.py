@@ -1,7 +1,7 @@
-"""The 0.1.0 home of the fallback: now ``dtensor_patches.dispatch.fallback`` (modes, install),
+"""The former home of the fallback: now ``dtensor_patches.dispatch.fallback`` (modes, install),
 ``.gather`` (the engine) and ``.fallback_report``.
 
-Moved in 0.2.0; the old names import with a ``DeprecationWarning`` for one release."""
+Moved by the redesign; the old names import with a ``DeprecationWarning`` until the next release."""
 
 from dtensor_patches._moved import forward
 

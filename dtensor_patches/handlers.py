@@ -1,7 +1,7 @@
-"""The 0.1.0 helper library of custom handlers: now ``dtensor_patches.dispatch.gather`` (the gather
+"""The former helper library of custom handlers: now ``dtensor_patches.dispatch.gather`` (the gather
 engine) and ``dtensor_patches.dispatch.shards``.
 
-Moved in 0.2.0; the old names import with a ``DeprecationWarning`` for one release."""
+Moved by the redesign; the old names import with a ``DeprecationWarning`` until the next release."""
 
 from dtensor_patches._moved import forward
 

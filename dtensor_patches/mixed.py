@@ -1,6 +1,6 @@
-"""The 0.1.0 home of the mixed-kind fixes: now ``dtensor_patches.dispatch.mixed``.
+"""The former home of the mixed-kind fixes: now ``dtensor_patches.dispatch.mixed``.
 
-Moved in 0.2.0; the old names import with a ``DeprecationWarning`` for one release."""
+Moved by the redesign; the old names import with a ``DeprecationWarning`` until the next release."""
 
 from dtensor_patches._moved import forward
 

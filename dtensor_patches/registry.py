@@ -39,7 +39,7 @@ RENAMED: dict[str, str] = {
     "pointwise_2_11": "ne_glu_entr",
     "mse_loss": "elementwise_losses",
 }
-"""Old patch names (0.1.0) -> the patch that now holds the fix. Accepted everywhere a name is
+"""Former patch names -> the patch that now holds the fix. Accepted everywhere a name is
 (``get``, ``only=``, ``exclude=``, ``DTENSOR_PATCHES_DISABLE``, the CLI) with a
 ``DeprecationWarning``, for one release."""
 
@@ -185,7 +185,8 @@ def apply_all(
     Args:
         only: apply only these patch names.
         exclude: never apply these patch names.
-        strict: raise on any failure; the patches this call applied are then reverted too.
+        strict: raise on any failure; the patches this call applied are then reverted and
+            the fallback put back as it was.
         fallback: what a DTensor call that torch still refuses does (see
             :mod:`dtensor_patches.dispatch.fallback`): ``"warn"`` (the default: it runs on
             gathered inputs, logged once per op and placements, counted in
@@ -204,6 +205,7 @@ def apply_all(
     chosen, excluded = _selection(only, exclude)
     fallback_mode = _fallback.resolve_mode(fallback)
     with state.LOCK:
+        mode_before = _fallback.mode()
         disabled = _disabled_by_env()
         outcomes: list[Outcome] = []
         newly_applied: list[Patch] = []
@@ -227,6 +229,7 @@ def apply_all(
         if strict and failures:
             for patch in reversed(newly_applied):
                 patch.revert()
+            _install_fallback(mode_before)
             raise PatchError("strict apply_all failed, nothing applied: " + "; ".join(failures))
         log.info("%s", report)
         return report

@@ -1,15 +1,16 @@
-"""The 0.1.0 name of the registry health check: now ``dtensor_patches.health``.
+"""The former name of the registry health check: now ``dtensor_patches.health()``
+(``dtensor_patches.registry_health``).
 
-Moved in 0.2.0; the old names import with a ``DeprecationWarning`` for one release."""
+Moved by the redesign; the old names import with a ``DeprecationWarning`` until the next release."""
 
 from dtensor_patches._moved import forward
 
 __getattr__ = forward(
     "dtensor_patches.status",
     {
-        "status": "dtensor_patches.health:health",
-        "RegistryStatus": "dtensor_patches.health:RegistryHealth",
-        "PatchState": "dtensor_patches.health:PatchHealth",
+        "status": "dtensor_patches.registry_health:health",
+        "RegistryStatus": "dtensor_patches.registry_health:RegistryHealth",
+        "PatchState": "dtensor_patches.registry_health:PatchHealth",
     },
-    "see dtensor_patches.health",
+    "see dtensor_patches.registry_health",
 )

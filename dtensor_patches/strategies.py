@@ -17,12 +17,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 
 from dtensor_patches._torch.dtensors import dtensor_types, spec_with_placements
 from dtensor_patches.errors import PatchError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement, Shard
+
+    from dtensor_patches._torch.types import (
+        DTensorSpec,
+        OpSchema,
+        OpStrategy,
+        RuntimeSchemaInfo,
+        TensorMeta,
+    )
 
 __all__ = [
     "PartialRule",
@@ -48,10 +59,10 @@ __all__ = [
 # ``[(position, placement), ...]`` (every tensor argument's current placement on that mesh dim)
 # and returns ``(input placements in the same order, output placement)`` to keep a pending
 # reduction, or ``None`` to replicate every input on that mesh dim first.
-PartialRule = Callable[[list[tuple[int, Any]]], "tuple[list[Any], Any] | None"]
+PartialRule = Callable[[list[tuple[int, "Placement"]]], "tuple[list[Placement], Placement] | None"]
 
 
-def redistribute_cost(src: Any, dst: Any) -> float:
+def redistribute_cost(src: DTensorSpec, dst: DTensorSpec) -> float:
     """Rough cost of redistributing ``src`` to ``dst`` (both ``DTensorSpec``).
 
     Zero when the placements are equal, otherwise the tensor's size in bytes (an upper bound
@@ -68,9 +79,12 @@ def redistribute_cost(src: Any, dst: Any) -> float:
     return float(numel * meta.dtype.itemsize)
 
 
-def tensor_meta(strategy: Any) -> Any:
+def tensor_meta(strategy: OpStrategy) -> TensorMeta:
     """The ``TensorMeta`` (shape, stride, dtype) of a tensor argument's ``OpStrategy``."""
-    return strategy.strategies[0].output_spec.tensor_meta
+    meta = strategy.strategies[0].output_spec.tensor_meta
+    if meta is None:
+        raise PatchError("a tensor argument's strategy has no tensor meta (shape, dtype)")
+    return meta
 
 
 def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
@@ -94,45 +108,45 @@ def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ..
     return tuple(sorted(set(out)))
 
 
-def _spec(template: Any, placements: Sequence[Any]) -> Any:
+def _spec(template: DTensorSpec, placements: Sequence[Placement]) -> DTensorSpec:
     """A ``DTensorSpec`` like ``template`` (same mesh and tensor meta) with other placements."""
     return spec_with_placements(template, placements)
 
 
-def is_shard(placement: Any) -> bool:
+def is_shard(placement: Placement) -> TypeGuard[Shard]:
     """Exactly ``Shard(d)``: ``_StridedShard`` (a subclass) encodes an order not reasoned about here."""
     from torch.distributed.tensor import Shard
 
     return type(placement) is Shard
 
 
-def _is_partial(placement: Any) -> bool:
+def _is_partial(placement: Placement) -> bool:
     return bool(getattr(placement, "is_partial", lambda: False)())
 
 
-def reduce_op_of(placement: Any) -> str | None:
+def reduce_op_of(placement: Placement) -> str | None:
     """The pending reduction (``"sum"``, ``"avg"``, ``"max"``…) of a ``Partial``, else ``None``."""
-    return str(placement.reduce_op) if _is_partial(placement) else None
+    return str(getattr(placement, "reduce_op", "sum")) if _is_partial(placement) else None
 
 
-def _tensor_args(op_schema: Any) -> list[tuple[int, Any]]:
+def _tensor_args(op_schema: OpSchema) -> list[tuple[int, OpStrategy]]:
     types = dtensor_types()
     return [(i, a) for i, a in enumerate(op_schema.args_schema) if isinstance(a, types.OpStrategy)]
 
 
 # Maps one input placement (on one mesh dim) to (input placement needed, output placement).
-PlacementRule = Callable[[Any], tuple[Any, Any]]
+PlacementRule = Callable[["Placement"], "tuple[Placement, Placement]"]
 
 
 def rule_strategy(
-    op_schema: Any,
+    op_schema: OpSchema,
     rule: PlacementRule,
     *,
     num_outputs: int = 1,
     driver: int = 0,
     follow: Iterable[int] = (),
     tuple_output: bool = False,
-) -> Any:
+) -> OpStrategy:
     """One ``OpSpec`` per candidate placement of the tensor argument at position ``driver``.
 
     ``rule`` maps each of its placements (one per mesh dim) to the placement the op needs and
@@ -181,7 +195,7 @@ def rule_strategy(
     return types.OpStrategy(specs)
 
 
-def replicate_strategy(op_schema: Any, *, num_outputs: int = 1, driver: int = 0) -> Any:
+def replicate_strategy(op_schema: OpSchema, *, num_outputs: int = 1, driver: int = 0) -> OpStrategy:
     """Gather every tensor argument; outputs replicated. Only where nothing sharded is correct."""
     from torch.distributed.tensor import Replicate
 
@@ -190,13 +204,13 @@ def replicate_strategy(op_schema: Any, *, num_outputs: int = 1, driver: int = 0)
     )
 
 
-def follow_input_strategy(op_schema: Any) -> Any:
+def follow_input_strategy(op_schema: OpSchema) -> OpStrategy:
     """Output placements equal input placements, no communication (``alias``-like identities)."""
     return rule_strategy(op_schema, lambda p: (p, p), num_outputs=1)
 
 
 def dimwise_strategy(
-    op_schema: Any,
+    op_schema: OpSchema,
     *,
     dims: int | Sequence[int] | None,
     keepdim: bool = True,
@@ -204,7 +218,7 @@ def dimwise_strategy(
     follow: Iterable[int] = (),
     linear: bool = False,
     tuple_output: bool = False,
-) -> Any:
+) -> OpStrategy:
     """An op that works along ``dims`` of its first argument and independently along the rest.
 
     Covers reductions (``keepdim`` as the op's flag), scans, sorts, order statistics, flips:
@@ -216,7 +230,7 @@ def dimwise_strategy(
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    ndim = len(tensor_meta(op_schema.args_schema[0]).shape)
+    ndim = len(tensor_meta(cast("OpStrategy", op_schema.args_schema[0])).shape)
     along = normalize_dims(dims, ndim)
 
     def rule(p: Any) -> tuple[Any, Any]:
@@ -233,14 +247,14 @@ def dimwise_strategy(
 
 
 def uniform_strategy(
-    op_schema: Any,
+    op_schema: OpSchema,
     *,
     num_outputs: int = 1,
     driver: int = 0,
     follow: Iterable[int] = (),
     keep_partial: bool = False,
     shard_dims: Iterable[int] | None = None,
-) -> Any:
+) -> OpStrategy:
     """Elementwise in the ``driver`` argument: ``Shard(d)`` stays, outputs shaped like it.
 
     ``shard_dims`` limits the dims that may stay sharded (others are gathered), e.g. the batch
@@ -263,7 +277,7 @@ def uniform_strategy(
     return rule_strategy(op_schema, rule, num_outputs=num_outputs, driver=driver, follow=follow)
 
 
-def arg(op_schema: Any, index: int, name: str, default: Any = None) -> Any:
+def arg(op_schema: OpSchema, index: int, name: str, default: Any = None) -> Any:
     """Argument ``name`` of the op, passed positionally at ``index`` or as a keyword."""
     if len(op_schema.args_schema) > index:
         return op_schema.args_schema[index]
@@ -275,7 +289,7 @@ def schema_info(
     static_kwargkey: Sequence[str] | None = None,
     *,
     needs_pytree: bool = False,
-) -> Any:
+) -> RuntimeSchemaInfo:
     """A ``RuntimeSchemaInfo``: which non-tensor arguments key the propagation cache.
 
     ``needs_pytree`` for ops taking a list of tensors (``stack``, ``cat``): DTensor then hands
@@ -289,7 +303,7 @@ def schema_info(
     )
 
 
-def evenly_sharded(spec: Any, dim: int) -> bool:
+def evenly_sharded(spec: DTensorSpec, dim: int) -> bool:
     """Whether every rank holds the same number of elements along tensor ``dim`` under ``spec``.
 
     True when the product of the mesh sizes that shard ``dim`` divides its size, so that
@@ -299,16 +313,17 @@ def evenly_sharded(spec: Any, dim: int) -> bool:
     for mesh_dim, p in enumerate(spec.placements):
         if is_shard(p) and p.dim == dim:
             ways *= spec.mesh.size(mesh_dim)
+    assert spec.tensor_meta is not None, "a spec without tensor meta"
     return int(spec.tensor_meta.shape[dim]) % ways == 0
 
 
 def elementwise_strategy(
-    op_schema: Any,
+    op_schema: OpSchema,
     *,
     partial_rule: PartialRule | None = None,
     replicated: Iterable[int] = (),
     driver: int | None = None,
-) -> Any:
+) -> OpStrategy:
     """Elementwise op over its tensor arguments, with broadcasting.
 
     The output has the broadcast shape of the tensor arguments (python scalars are ignored).
@@ -415,11 +430,11 @@ def elementwise_strategy(
     return types.OpStrategy(specs)
 
 
-def _is_replicate(placement: Any) -> bool:
+def _is_replicate(placement: Placement) -> bool:
     return bool(getattr(placement, "is_replicate", lambda: False)())
 
 
-def additive_rule(column: list[tuple[int, Any]]) -> tuple[list[Any], Any] | None:
+def additive_rule(column: list[tuple[int, Placement]]) -> tuple[list[Placement], Placement] | None:
     """A :data:`PartialRule` for ``a + alpha * b`` (``add``, ``sub``, ``rsub``).
 
     ``sum(a_i) + r``: ``r`` is turned into a ``Partial(sum)`` share (on one rank, zeros on the

@@ -81,14 +81,14 @@ def _sharded_dim(placement: str) -> int | None:
 
 def _unbind_refused(placement: str, p: dict[str, Any], shape: tuple[int, ...]) -> bool:
     """From 2.10 torch refuses to unbind along a sharded dim (a clear error)."""
-    from dtensor_patches.compat import torch_release
+    from dtensor_patches._torch.versions import torch_release
 
     return torch_release().minor >= 10 and _sharded_dim(placement) == p["dim"] % len(shape)
 
 
 def _squeeze_refused(placement: str, p: dict[str, Any], shape: tuple[int, ...]) -> bool:
     """From 2.12 torch refuses to squeeze a sharded size-1 dim (a clear error)."""
-    from dtensor_patches.compat import torch_release
+    from dtensor_patches._torch.versions import torch_release
 
     dim = _sharded_dim(placement)
     return torch_release().minor >= 12 and dim is not None and shape[dim] == 1
@@ -185,13 +185,13 @@ ORACLE: dict[str, OracleOp] = {
         refused=_squeeze_refused,
     ),
     "masked_fill": OracleOp(
-        "pointwise_gaps",
+        "elementwise_strategies",
         lambda x, p: x.masked_fill(x > 0.5, torch.tensor(-1.0)),
         None,
         differentiable=True,
     ),
     "argmax": OracleOp(
-        "reductions_2_9",
+        "dim_reductions",
         lambda x, p: x.argmax(p["dim"], keepdim=p["keepdim"]),
         _dim,
         keepdim=lambda p: p["keepdim"],
@@ -199,7 +199,7 @@ ORACLE: dict[str, OracleOp] = {
         needs_nonempty=True,
     ),
     "argmin_all": OracleOp(
-        "reductions_2_9",
+        "dim_reductions",
         lambda x, p: x.argmin(),
         _all,
         keepdim=lambda p: False,
@@ -215,14 +215,14 @@ ORACLE: dict[str, OracleOp] = {
         needs_nonempty=True,
     ),
     "logsumexp": OracleOp(
-        "reductions_2_9",
+        "dim_reductions",
         lambda x, p: torch.logsumexp(x, p["dim"], keepdim=p["keepdim"]),
         _dim,
         keepdim=lambda p: p["keepdim"],
         differentiable=True,
     ),
     "std": OracleOp(
-        "reductions_2_9",
+        "dim_reductions",
         lambda x, p: x.std(p["dim"], correction=0, keepdim=p["keepdim"]),
         _dim,
         keepdim=lambda p: p["keepdim"],
@@ -383,7 +383,7 @@ ORACLE: dict[str, OracleOp] = {
         differentiable=True,
     ),
     "mse_loss": OracleOp(
-        "mse_loss",
+        "elementwise_losses",
         lambda x, p: F.mse_loss(x, x.detach() * 0.5 + 0.25, reduction=p["reduction"]),
         None,
         differentiable=True,
@@ -512,13 +512,13 @@ ORACLE: dict[str, OracleOp] = {
     ),
     # Elementwise ops with no strategy on older releases (and their backward ops).
     "activations": OracleOp(
-        "pointwise_2_10",
+        "elementwise_strategies",
         lambda x, p: _ACTIVATIONS[p["shift"] % len(_ACTIVATIONS)](x),
         _none,
         differentiable=True,
     ),
     "fmax_fmin_rsub": OracleOp(
-        "pointwise_2_10",
+        "elementwise_strategies",
         lambda x, p: torch.rsub(torch.fmax(x, _row(x)), torch.fmin(_row(x), x)),
         None,
         differentiable=True,
@@ -531,14 +531,14 @@ ORACLE: dict[str, OracleOp] = {
         partial=True,
     ),
     "glu": OracleOp(
-        "pointwise_2_11",
+        "ne_glu_entr",
         lambda x, p: F.glu(x, p["dim"]),
         _dim,
         differentiable=True,
         needs_nonempty=True,
     ),
     "ne_entr": OracleOp(
-        "pointwise_2_11",
+        "ne_glu_entr",
         lambda x, p: (torch.special.entr(x.abs()), x != _row(x)),
         None,
         differentiable=True,

@@ -13,7 +13,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from dtensor_patches import Patch, Strategy
-from dtensor_patches._repro import compare, failure_of
+from dtensor_patches.reproducers import compare, failure_of
 from dtensor_patches.strategies import follow_input_strategy
 
 OP = "aten.alias_copy.default"
@@ -67,8 +67,16 @@ def make(
 class _FailingInstall:
     """A registration whose install raises, as a moved torch internal would."""
 
+    kind = "failing"
+
     def __init__(self, op: str) -> None:
         self.op = op
+        self.concerns = (op,)
+
+    def entries(self) -> list[tuple[str, Any]]:
+        from dtensor_patches._torch.schemas import resolve_op
+
+        return [("propagator.op_strategy_funcs", resolve_op(self.op))]
 
     def install(self) -> None:
         raise RuntimeError("simulated failure while installing")

@@ -13,13 +13,13 @@ def _alias_results() -> dict[str, object]:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     import dtensor_patches
-    from dtensor_patches.patches import alias
 
+    alias = dtensor_patches.get("alias")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    stock = alias.reproduce(mesh)
-    out: dict[str, object] = {"in_gate": alias.PATCH.applies_to(), "stock": stock}
+    stock = alias.reproduce_on(mesh)
+    out: dict[str, object] = {"in_gate": alias.applies_to(), "stock": stock}
     with dtensor_patches.patched(only=["alias"]):
-        out["patched"] = alias.reproduce(mesh)
+        out["patched"] = alias.reproduce_on(mesh)
         torch.manual_seed(0)
         full = torch.randn(5, 6, 3)  # 5 rows on 2 ranks: uneven Shard(0)
         checks = {}
@@ -44,7 +44,7 @@ def _alias_results() -> dict[str, object]:
         (w[:, :6, :] * 2).sum().backward()
         checks["grad"] = torch.equal(w.grad.full_tensor(), torch.full_like(full, 2.0))
         out["checks"] = checks
-    out["after_revert"] = alias.reproduce(mesh)
+    out["after_revert"] = alias.reproduce_on(mesh)
     return out
 
 

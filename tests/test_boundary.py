@@ -125,7 +125,9 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skipped.update(id(n) for n in ast.walk(node))
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    package = (
+        _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    )
     out: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skipped:

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from dtensor_patches import all_patches, get
+from dtensor_patches._torch.versions import torch_release
 from dtensor_patches.cli import main, parse_gate_overrides
-from dtensor_patches.compat import torch_release
 
 pytest_plugins = ["pytester"]
 

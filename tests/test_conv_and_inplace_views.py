@@ -24,7 +24,7 @@ def _mesh(shape: tuple[int, ...]) -> Any:
 def _place(t: torch.Tensor | None, mesh: Any, placements: list[str]) -> Any:
     from torch.distributed.tensor import distribute_tensor
 
-    from dtensor_patches._repro import parse_placement
+    from dtensor_patches.reproducers import parse_placement
 
     if t is None:
         return None
@@ -32,7 +32,7 @@ def _place(t: torch.Tensor | None, mesh: Any, placements: list[str]) -> Any:
 
 
 def _diff(got: Any, expected: torch.Tensor | None, what: str) -> str | None:
-    from dtensor_patches._repro import compare
+    from dtensor_patches.reproducers import compare
 
     if expected is None:
         return None if got is None else f"{what}: expected no gradient"

@@ -1,4 +1,4 @@
-"""The fallback (``dtensor_patches.fallback``): calls torch refuses run on gathered inputs.
+"""The fallback (``dtensor_patches.dispatch.fallback``): calls torch refuses run on gathered inputs.
 
 Every example runs on real gloo ranks and is compared with the same call on plain tensors on
 one device (values, shape, dtype; exact for integers), gradients included. The ops used have
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import dtensor_patches.fallback  # noqa: F401 - the tests call dtensor_patches.fallback.*
+import dtensor_patches.dispatch.fallback_report  # noqa: F401 - the tests call it
 from dtensor_patches.testing import RankPool
 
 _SETTINGS = settings(
@@ -35,7 +35,7 @@ def _mesh(shape: tuple[int, ...]) -> Any:
 def _place(t: torch.Tensor, mesh: Any, placements: list[str]) -> Any:
     from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
-    from dtensor_patches._repro import parse_placement
+    from dtensor_patches.reproducers import parse_placement
 
     objs = [parse_placement(p) for p in placements]
     if any(isinstance(p, Partial) for p in objs):
@@ -51,7 +51,7 @@ def _full(v: Any) -> Any:
 
 
 def _same(got: Any, expected: Any) -> str | None:
-    from dtensor_patches._repro import compare
+    from dtensor_patches.reproducers import compare
 
     got_list = list(got) if isinstance(got, (tuple, list)) else [got]
     exp_list = list(expected) if isinstance(expected, (tuple, list)) else [expected]
@@ -120,7 +120,7 @@ def _op_case(
     x = torch.randn(x_shape, generator=g)
     y = torch.randn(y_shape, generator=g) if y_shape is not None else None
     expected = fn(x, y)
-    dtensor_patches.fallback.reset_report()
+    dtensor_patches.dispatch.fallback_report.reset_report()
     with dtensor_patches.patched():
         xd = _place(x, mesh, placements)
         yd = _place(y, mesh, other_placements) if y is not None else None
@@ -265,7 +265,7 @@ def test_random_op_gives_the_same_values_on_every_rank(pool2: RankPool) -> None:
 
 def _mode_case(mode: str, use_env: bool) -> dict[str, Any]:
     import dtensor_patches
-    from dtensor_patches.fallback import FALLBACK_ENV
+    from dtensor_patches.dispatch.fallback import FALLBACK_ENV
 
     mesh = _mesh((dist.get_world_size(),))
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
@@ -302,7 +302,7 @@ def test_mode_warn_runs(pool2: RankPool) -> None:
 
 
 def test_unknown_mode_is_refused() -> None:
-    from dtensor_patches.fallback import resolve_mode
+    from dtensor_patches.dispatch.fallback import resolve_mode
 
     with pytest.raises(ValueError, match="one of off, warn, error"):
         resolve_mode("loud")
@@ -317,7 +317,7 @@ def _report_case() -> list[tuple[str, int, int]]:
 
     mesh = _mesh((dist.get_world_size(),))
     x = torch.randn(6, 4)
-    dtensor_patches.fallback.reset_report()
+    dtensor_patches.dispatch.fallback_report.reset_report()
     with dtensor_patches.patched():
         xd = _place(x, mesh, ["S0"])
         for _ in range(3):
@@ -345,7 +345,7 @@ def _native_calls(fallback: str) -> list[Any]:
     mesh = _mesh((dist.get_world_size(),))
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 4, generator=g), torch.randn(4, 8, generator=g)
-    dtensor_patches.fallback.reset_report()
+    dtensor_patches.dispatch.fallback_report.reset_report()
     out = []
     with dtensor_patches.patched(fallback=fallback):
         calls = [
@@ -499,7 +499,7 @@ def _ambiguous_case() -> dict[str, Any]:
     from torch.distributed.tensor.experimental import implicit_replication
 
     import dtensor_patches
-    from dtensor_patches import compat
+    from dtensor_patches._torch.versions import dispatches_in_cpp
 
     mesh = _mesh((dist.get_world_size(),))
     g = torch.Generator().manual_seed(8)
@@ -518,7 +518,7 @@ def _ambiguous_case() -> dict[str, Any]:
     restored = OpDispatcher._try_replicate_spec_for_scalar_tensor is torch_check
     text = str(error)
     return {
-        "python_path": not compat._uses_cpp_dispatch(),
+        "python_path": not dispatches_in_cpp(),
         "wrapped": wrapped,
         "restored": restored,
         "kind": type(error).__name__,
@@ -542,8 +542,8 @@ def test_ambiguous_plain_tensor_names_both_readings(pool2: RankPool) -> None:
 
 
 def test_ambiguity_error_message() -> None:
+    from dtensor_patches.dispatch.mixed import ambiguity_error
     from dtensor_patches.errors import MixedTensorError
-    from dtensor_patches.mixed import ambiguity_error
 
     error = ambiguity_error(
         "aten.mm.default", torch.ones(3, 4), None, RuntimeError("aten.mm.default: got mixed")

@@ -15,7 +15,11 @@ import torch
 import torch.distributed as dist
 
 import dtensor_patches
-from dtensor_patches import PatchError, Status, compat, registry
+from dtensor_patches import PatchError, Status, registry, state
+from dtensor_patches._torch import tables as torch_tables
+from dtensor_patches._torch.dtensors import spec_with_placements
+from dtensor_patches._torch.schemas import resolve_op
+from dtensor_patches.dispatch import hook
 from dtensor_patches.testing import RankPool
 from tests import synthetic
 
@@ -133,11 +137,11 @@ def test_item3_max_min_targets_are_not_treated_as_linear(pool2: RankPool, reduce
 @pytest.fixture
 def clean_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(registry.DISABLE_ENV, raising=False)
-    before = compat.registry_state()
+    before = torch_tables.registry_state()
     yield
     dtensor_patches.revert_all()
-    assert compat.registry_state() == before
-    assert not compat.miss_hook_installed()
+    assert torch_tables.registry_state() == before
+    assert not hook.installed()
 
 
 def test_item4_revert_while_other_threads_dispatch_leaks_nothing(
@@ -155,7 +159,7 @@ def _revert_races(trials: int) -> dict[str, Any]:
 
     mesh = _mesh()
     x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
-    before = compat.registry_state()
+    before = torch_tables.registry_state()
     leaked, errors = 0, []
     for _ in range(trials):
         dtensor_patches.apply_all()
@@ -175,7 +179,7 @@ def _revert_races(trials: int) -> dict[str, Any]:
         dtensor_patches.revert_all()
         stop.set()
         worker.join()
-        if compat.registry_state() != before or compat.miss_hook_installed():
+        if torch_tables.registry_state() != before or hook.installed():
             leaked += 1
             dtensor_patches.revert_all()
     return {"leaked": leaked, "errors": errors}
@@ -189,24 +193,24 @@ def _two_patches_on_one_op() -> tuple[Any, Any]:
 
 @pytest.mark.parametrize("order", ["lifo", "fifo"])
 def test_item5_patches_sharing_an_op_revert_in_any_order(clean_registry: None, order: str) -> None:
-    op = compat.resolve_op(synthetic.OP)
+    op = resolve_op(synthetic.OP)
     table = "propagator.op_strategy_funcs"
-    before = compat.entry_in_effect(table, op)
+    before = torch_tables.tables()[table].get(op)
     first, second = _two_patches_on_one_op()
     # Both install on the same op: the second overrides (as with argmax on 2.9).
     first = first.__class__(**{**first.__dict__, "overrides_existing": True})
     second = second.__class__(**{**second.__dict__, "overrides_existing": True})
     assert first.apply() and second.apply()
-    top = compat.entry_in_effect(table, op)
+    top = torch_tables.tables()[table].get(op)
     if order == "lifo":
         second.revert()
-        assert compat.entry_in_effect(table, op) is compat.owned_entries(first)[(table, op)]
+        assert torch_tables.tables()[table].get(op) is state.LEDGER.owned(first)[(table, op)]
         first.revert()
     else:
         first.revert()
-        assert compat.entry_in_effect(table, op) is top, "reverting the lower layer changed it"
+        assert torch_tables.tables()[table].get(op) is top, "reverting the lower layer changed it"
         second.revert()
-    assert compat.entry_in_effect(table, op) is before
+    assert torch_tables.tables()[table].get(op) is before
     assert not first.is_applied and not second.is_applied
 
 
@@ -226,7 +230,7 @@ def test_item5_patched_blocks_in_two_threads(clean_registry: None) -> None:
             errors.append(repr(exc))
 
     # Overlapping blocks that leave out of order: the first to enter leaves first.
-    shared = ["argmax_all", "reductions_2_9", "inplace_writes"]
+    shared = ["argmax_all", "dim_reductions", "inplace_writes"]
     a = threading.Thread(target=block, args=(shared, False))
     b = threading.Thread(target=block, args=(shared, True))
     a.start()
@@ -247,7 +251,7 @@ def test_item6_a_failed_cache_clear_still_reverts_the_patch(
         raise PatchError("cache moved", internal="test")
 
     with monkeypatch.context() as m:
-        m.setattr(compat, "clear_sharding_caches", broken)
+        m.setattr(torch_tables, "clear_sharding_caches", broken)
         with pytest.raises(PatchError):
             patch.revert()
     assert not patch.is_applied, "the registry and the patch disagree after a failed revert"
@@ -257,20 +261,20 @@ def test_item6_a_failed_cache_clear_still_reverts_the_patch(
 def test_item7_call_time_internals_are_checked_at_apply_time(
     clean_registry: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = compat.registry_state()
+    before = torch_tables.registry_state()
     monkeypatch.delattr(torch._C, "_is_alias_of")
     report = dtensor_patches.apply_all(only=["inplace_writes"])
     outcome = report["inplace_writes"]
     assert outcome.status is Status.FAILED
     assert "_is_alias_of" in outcome.reason
-    assert compat.registry_state() == before
-    assert not compat.miss_hook_installed()
+    assert torch_tables.registry_state() == before
+    assert not hook.installed()
 
 
 def test_item8_keyboard_interrupt_propagates_after_rollback(
     clean_registry: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = compat.registry_state()
+    before = torch_tables.registry_state()
     patch = synthetic.make()
 
     def interrupted() -> list[Any]:
@@ -281,7 +285,7 @@ def test_item8_keyboard_interrupt_propagates_after_rollback(
     with pytest.raises(KeyboardInterrupt):
         dtensor_patches.apply_all()
     assert not patch.is_applied
-    assert compat.registry_state() == before
+    assert torch_tables.registry_state() == before
 
 
 def _other_threads_see_reverts() -> dict[str, Any]:
@@ -330,7 +334,7 @@ def _spec_copy_fields() -> dict[str, Any]:
     mesh = _mesh()
     x = distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])
     spec = x._spec
-    copied = compat.spec_with_placements(spec, (Replicate(),))
+    copied = spec_with_placements(spec, (Replicate(),))
     names = [f.name for f in dataclasses.fields(spec)]
     kept = {
         name: getattr(copied, name) == getattr(spec, name)
@@ -477,7 +481,7 @@ def _common_calls_take_no_python_path() -> dict[str, Any]:
     y = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])
     calls: list[str] = []
     with dtensor_patches.patched():
-        rules = compat._MISS_RULES
+        rules = state.MISS_RULES
         wrapped = {}
         for key, rule in list(rules.items()):
 

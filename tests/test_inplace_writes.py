@@ -106,8 +106,8 @@ def _view_case(
     from torch.distributed.tensor import distribute_tensor
 
     import dtensor_patches
-    from dtensor_patches._repro import parse_placement
     from dtensor_patches.errors import LostWriteError
+    from dtensor_patches.reproducers import parse_placement
 
     fn = _VIEW_OPS[op_name]
     if not dtensor_patches.get("view_writes").applies_to():
@@ -218,13 +218,13 @@ def _stock_and_patched_results() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import dtensor_patches
-    from dtensor_patches.patches import inplace_writes
 
+    inplace_writes = dtensor_patches.get("inplace_writes")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    out: dict[str, Any] = {"stock": inplace_writes.reproduce(mesh)}
+    out: dict[str, Any] = {"stock": inplace_writes.reproduce_on(mesh)}
     with dtensor_patches.patched(only=["inplace_writes"]):
-        out["patched"] = inplace_writes.reproduce(mesh)
-    out["reverted"] = inplace_writes.reproduce(mesh)
+        out["patched"] = inplace_writes.reproduce_on(mesh)
+    out["reverted"] = inplace_writes.reproduce_on(mesh)
     return out
 
 

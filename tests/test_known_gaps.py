@@ -27,7 +27,7 @@ def test_cumprod_gradient_mixes_plain_tensors(pool2: RankPool) -> None:
     # Autograd's cumprod backward (FunctionsManual.cpp) builds plain tensors and feeds them to
     # DTensor ops (aten.cat on 2.9, aten.where on 2.13): no sharding strategy can intercept it.
     # Measured: fixed in torch 2.14 (2.14.1 and 2.15.0 run the backward).
-    from dtensor_patches.compat import torch_release
+    from dtensor_patches._torch.versions import torch_release
 
     if torch_release() >= Version("2.14"):
         pool2.run(_cumprod_backward)

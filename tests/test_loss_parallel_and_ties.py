@@ -1,4 +1,4 @@
-"""Patches survive ``loss_parallel()`` (and ``status()`` tells the truth when they cannot),
+"""Patches survive ``loss_parallel()`` (and ``health()`` tells the truth when they cannot),
 and tensor parallelism keeps tied embeddings tied: whole-model gradients vs single device."""
 
 from __future__ import annotations
@@ -16,17 +16,19 @@ from dtensor_patches.testing import RankPool
 def _survival(keep: bool) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from dtensor_patches import compat, registry, status
+    from dtensor_patches import health, registry, state
+    from dtensor_patches._torch.schemas import resolve_op
+    from dtensor_patches._torch.tables import custom_op_handlers
 
     exclude = () if keep else ("loss_parallel_keeps_patches",)
     with registry.patched(exclude=exclude):
         nll = registry.get("nll_loss")
-        op = compat.resolve_op("aten.nll_loss_forward.default")
-        ours = compat.owned_entries(nll).get(("dispatcher._custom_op_handlers", op))
+        op = resolve_op("aten.nll_loss_forward.default")
+        ours = state.LEDGER.owned(nll).get(("dispatcher._custom_op_handlers", op))
         with loss_parallel():
             pass
-        after = status()
-        held = compat.custom_op_handlers().get(op)
+        after = health()
+        held = custom_op_handlers().get(op)
         return {
             "nll_applied": nll.is_applied,
             "handler_back": ours is not None and held is ours,

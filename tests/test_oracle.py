@@ -74,7 +74,7 @@ def evaluate(
 
     import dtensor_patches
     from dtensor_patches import get
-    from dtensor_patches._repro import parse_placement
+    from dtensor_patches.reproducers import parse_placement
     from dtensor_patches.testing import layout_agrees
 
     op = ORACLE[op_name]

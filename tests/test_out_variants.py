@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtensor_patches.compat import out_variant
+from dtensor_patches._torch.schemas import out_variant
 from dtensor_patches.testing import RankPool
 
 # name -> (patch, functional op whose out= overload is derived, call(x, out), call(x))
@@ -26,13 +26,13 @@ _CASES: dict[str, tuple[str, str, Callable[..., Any], Callable[..., Any]]] = {
         lambda x: torch.cumprod(x, 1),
     ),
     "logsumexp": (
-        "reductions_2_9",
+        "dim_reductions",
         "aten.logsumexp.default",
         lambda x, o: torch.logsumexp(x, 1, out=o[0]),
         lambda x: torch.logsumexp(x, 1),
     ),
     "std": (
-        "reductions_2_9",
+        "dim_reductions",
         "aten.std.correction",
         lambda x, o: torch.std(x, 0, out=o[0]),
         lambda x: torch.std(x, 0),
@@ -50,7 +50,7 @@ _CASES: dict[str, tuple[str, str, Callable[..., Any], Callable[..., Any]]] = {
         lambda x: torch.mean(x, 0),
     ),
     "softplus": (
-        "pointwise_2_10",
+        "elementwise_strategies",
         "aten.softplus.default",
         lambda x, o: torch._C._nn.softplus(x, out=o[0]),
         lambda x: torch.nn.functional.softplus(x),

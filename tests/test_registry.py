@@ -8,13 +8,17 @@ from collections.abc import Iterator
 import pytest
 
 import dtensor_patches
-from dtensor_patches import PatchError, Status, compat, registry
-from dtensor_patches.patches import alias
+from dtensor_patches import PatchError, Status, registry
+from dtensor_patches._torch import tables as torch_tables
+from dtensor_patches._torch.schemas import resolve_op
+from dtensor_patches._torch.versions import torch_version
 from tests import synthetic
+
+ALIAS = registry.get("alias")
 
 
 def _state() -> dict[str, dict[object, object]]:
-    return compat.registry_state()
+    return torch_tables.registry_state()
 
 
 @pytest.fixture(autouse=True)
@@ -30,11 +34,11 @@ def _clean_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.fixture
 def with_synthetic(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Registry = [alias, synthetic]; returns the list of synthetic installs."""
-    op = compat.resolve_op(synthetic.OP)
-    if compat.has_native_strategy(op):  # pragma: no cover - would need a new stand-in op
+    op = resolve_op(synthetic.OP)
+    if torch_tables.has_native_strategy(op):  # pragma: no cover - would need a new stand-in op
         pytest.skip(f"{synthetic.OP} got a native strategy in this torch")
     calls: list[str] = []
-    patches = (alias.PATCH, synthetic.make(calls=calls))
+    patches = (ALIAS, synthetic.make(calls=calls))
     monkeypatch.setattr(registry, "all_patches", lambda: patches)
     return calls
 
@@ -42,9 +46,9 @@ def with_synthetic(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_report_covers_every_patch_and_alias_follows_its_gate() -> None:
     report = dtensor_patches.apply_all()
     assert [o.name for o in report] == [p.name for p in registry.all_patches()]
-    expected = Status.APPLIED if alias.PATCH.applies_to() else Status.GATED_OUT
+    expected = Status.APPLIED if ALIAS.applies_to() else Status.GATED_OUT
     assert report["alias"].status is expected
-    assert report.torch_version == str(compat.torch_version())
+    assert report.torch_version == str(torch_version())
 
 
 def test_second_call_changes_nothing(with_synthetic: list[str]) -> None:
@@ -80,26 +84,26 @@ def test_apply_all_from_eight_threads_applies_each_patch_once(with_synthetic: li
     assert statuses.count(Status.APPLIED) == 1
     assert statuses.count(Status.ALREADY_APPLIED) == 7
     assert with_synthetic == ["synthetic"]
-    if alias.PATCH.applies_to():
+    if ALIAS.applies_to():
         assert [r["alias"].status for r in reports].count(Status.APPLIED) == 1
 
 
 def test_revert_all_restores_exact_registry(with_synthetic: list[str]) -> None:
-    op = compat.resolve_op(synthetic.OP)
+    op = resolve_op(synthetic.OP)
     before = _state()
     dtensor_patches.apply_all()
-    assert op in compat.sharding_propagator().op_strategy_funcs
+    assert op in torch_tables.sharding_propagator().op_strategy_funcs
     assert _state() != before
-    assert dtensor_patches.revert_all()[-1] == "alias" or alias.PATCH.applies_to() is False
+    assert dtensor_patches.revert_all()[-1] == "alias" or ALIAS.applies_to() is False
     assert _state() == before
-    assert op not in compat.sharding_propagator().op_strategy_funcs
+    assert op not in torch_tables.sharding_propagator().op_strategy_funcs
 
 
 def test_revert_restores_a_preexisting_entry_instead_of_deleting_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    op = compat.resolve_op(synthetic.OP)
-    table = compat.sharding_propagator().op_strategy_funcs
+    op = resolve_op(synthetic.OP)
+    table = torch_tables.sharding_propagator().op_strategy_funcs
 
     def someone_elses(op_schema: object) -> object:  # pragma: no cover - never dispatched
         raise AssertionError
@@ -118,11 +122,11 @@ def test_revert_restores_a_preexisting_entry_instead_of_deleting_it(
 
 
 def test_never_overrides_an_existing_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
-    wider = alias.PATCH.with_gate(">=2.0")
+    wider = ALIAS.with_gate(">=2.0")
     monkeypatch.setattr(registry, "all_patches", lambda: (wider,))
-    native = compat.has_native_strategy(compat.resolve_op("aten.alias.default"))
+    native = torch_tables.has_native_strategy(resolve_op("aten.alias.default"))
     before = _state()
-    report = dtensor_patches.apply_all()
+    report = dtensor_patches.apply_all(fallback="off")  # the fallback changes torch by design
     if native:
         assert report["alias"].status is Status.SKIPPED_NATIVE
         assert "aten.alias.default" in report["alias"].reason
@@ -135,7 +139,7 @@ def test_failed_patch_leaves_torch_untouched(monkeypatch: pytest.MonkeyPatch) ->
     broken = synthetic.make("broken", fail_after_install=True)
     monkeypatch.setattr(registry, "all_patches", lambda: (broken,))
     before = _state()
-    report = dtensor_patches.apply_all()
+    report = dtensor_patches.apply_all(fallback="off")  # the fallback changes torch by design
     assert report["broken"].status is Status.FAILED
     assert "simulated failure" in report["broken"].reason
     assert not broken.is_applied
@@ -157,10 +161,10 @@ def test_missing_internal_fails_loudly_and_names_it(monkeypatch: pytest.MonkeyPa
     patch = synthetic.make()
     monkeypatch.setattr(registry, "all_patches", lambda: (patch,))
     with monkeypatch.context() as moved:
-        moved.setattr(compat, "sharding_propagator", lambda: object())
+        moved.setattr(torch_tables, "sharding_propagator", lambda: object())
         report = dtensor_patches.apply_all()
         with pytest.raises(PatchError) as info:
-            compat.registry_state()
+            torch_tables.registry_state()
     assert report["synthetic"].status is Status.FAILED
     assert "op_strategy_funcs" in report["synthetic"].reason
     assert info.value.internal == "propagator.op_strategy_funcs"
@@ -225,3 +229,24 @@ def test_report_renders_and_serialises(with_synthetic: list[str]) -> None:
     assert "synthetic  applied" in str(report)
     data = report.to_dict()
     assert data["patches"][1] == {"name": "synthetic", "status": "applied", "reason": ""}
+
+
+def test_former_patch_names_warn_and_name_the_new_patch() -> None:
+    with pytest.warns(DeprecationWarning, match="elementwise_losses"):
+        assert registry.get("mse_loss") is registry.get("elementwise_losses")
+    with pytest.warns(DeprecationWarning, match="elementwise_strategies"):
+        report = dtensor_patches.plan(exclude=["pointwise_2_10"])
+    assert report["elementwise_strategies"].status is Status.EXCLUDED
+
+
+def test_former_module_names_warn_and_give_the_new_objects() -> None:
+    import dtensor_patches.compat as old_compat
+    from dtensor_patches._torch import schemas
+
+    with pytest.warns(DeprecationWarning, match="dtensor_patches._torch.schemas.resolve_op"):
+        assert old_compat.resolve_op is schemas.resolve_op
+    with pytest.warns(DeprecationWarning, match="health"):
+        status = dtensor_patches.status
+    assert status is dtensor_patches.health
+    with pytest.raises(AttributeError, match="ledger"):
+        _ = old_compat.install_owned

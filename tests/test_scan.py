@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from dtensor_patches import compat, matrix, registry
+from dtensor_patches import registry
+from dtensor_patches._torch.versions import torch_release
 from dtensor_patches.scan import Scan, predict, release_data, scan, scan_function
 from dtensor_patches.testing import RankPool
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "qwen2_tp_sp_logits.py"
-RELEASE = str(compat.torch_release())
+RELEASE = str(torch_release())
 
 
 def _running_release_facts() -> dict[str, Any]:
@@ -32,11 +33,11 @@ def _running_release_facts() -> dict[str, Any]:
 
 def test_data_file_matches_running_torch() -> None:
     facts = _running_release_facts()
+    from tools import matrix
+
     live = matrix.registry_facts()
     for kind in ("strategies", "single_dim", "handlers", "decomposes"):
-        assert facts[kind] == live[kind], (
-            f"{kind}: regenerate with python -m dtensor_patches.matrix"
-        )
+        assert facts[kind] == live[kind], f"{kind}: regenerate with python -m tools.matrix"
     assert not set(facts["absent"]) & set(live["aten_ops"])
     assert facts["torch"].split("+")[0] == live["torch"].split("+")[0]
     assert list(facts["patches"]) == [p.name for p in registry.all_patches()]
@@ -48,16 +49,18 @@ def test_data_file_matches_running_torch() -> None:
 
 
 def _stock_kinds_on_rank() -> dict[str, str | None]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from dtensor_patches.scan import _stock_kind
-    from dtensor_patches.tripwire import _gather
+    from dtensor_patches.testing import world_mesh
+    from dtensor_patches.tripwire import gather_result, with_required
 
     applied = [p.name for p in registry.all_patches() if p.is_applied]
     assert not applied, f"patches left applied on the rank: {applied}"
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return {p.name: _stock_kind(_gather(p.reproduce(mesh))) for p in registry.all_patches()}
+    mesh = world_mesh()
+    kinds = {}
+    for p in registry.all_patches():
+        with with_required(p):
+            kinds[p.name] = _stock_kind(gather_result(p.reproduce_on(mesh)))
+    return kinds
 
 
 @pytest.mark.slow

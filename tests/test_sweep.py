@@ -1,4 +1,4 @@
-"""The op-database sweep (``python -m dtensor_patches.sweep``) on a real 2-rank gloo mesh."""
+"""The op-database sweep (``python -m tools.sweep``) on a real 2-rank gloo mesh."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from dtensor_patches import sweep
 from dtensor_patches.testing import RankPool
+from tools import sweep
 
 pytest.importorskip("expecttest", reason="torch's op_db needs expecttest")
 

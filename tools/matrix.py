@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("dtensor_patches.matrix")
+log = logging.getLogger("tools.matrix")
 
 DEFAULT_RELEASES = ("2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.1", "2.15.0")
 REPO = Path(__file__).resolve().parents[1]
@@ -169,16 +169,15 @@ def scan_data(results: dict[str, list[dict[str, Any]]], facts: dict[str, dict[st
 
 def _run_in(python: Path, flag: str, env: dict[str, str] | None) -> Any:
     proc = subprocess.run(
-        [python, "-m", "dtensor_patches.matrix", flag],
+        [python, "-m", "tools.matrix", flag],
         capture_output=True,
         text=True,
         check=False,
         env=env,
+        cwd=REPO,  # ``tools`` is a package of the repository, not of the wheel
     )
     if proc.returncode != 0:
-        raise RuntimeError(
-            f"{python} -m dtensor_patches.matrix {flag} failed:\n{proc.stderr[-4000:]}"
-        )
+        raise RuntimeError(f"{python} -m tools.matrix {flag} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -129,7 +129,7 @@ def _survives_loss_parallel() -> str:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from dtensor_patches import registry
-    from dtensor_patches.health import health
+    from dtensor_patches.registry_health import health
 
     with registry.patched():
         with loss_parallel():

@@ -54,7 +54,7 @@ from tools.sweep.catalog import (
     categorize,
     skip_reason,
 )
-from tools.sweep.report import render_markdown, write_json
+from tools.sweep.report import _print_summary, render_markdown, write_json
 from tools.sweep.runner import Options, Row, _compare, list_ops, run_sweep, sweep_ops
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "Options",
     "Row",
     "_compare",
+    "_print_summary",
     "categorize",
     "list_ops",
     "render_markdown",

@@ -14,9 +14,9 @@ from tools.sweep.runner import Options, run_sweep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m dtensor_patches.sweep [options]``."""
+    """Command line: ``python -m tools.sweep [options]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m dtensor_patches.sweep",
+        prog="python -m tools.sweep",
         description="Run torch's op database through DTensor and report the ops that fail.",
     )
     parser.add_argument("--world-size", type=int, default=2)

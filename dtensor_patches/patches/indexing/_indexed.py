@@ -29,7 +29,12 @@ from typing import Any
 
 import torch
 
-from dtensor_patches._torch.dtensors import local_shape_and_offset, local_tensor
+from dtensor_patches._torch.dtensors import (
+    dtensor_class,
+    full_tensor,
+    local_shape_and_offset,
+    local_tensor,
+)
 from dtensor_patches._torch.schemas import inplace_overload
 from dtensor_patches.dispatch.gather import inplace_through_full
 from dtensor_patches.strategies import is_shard
@@ -40,18 +45,6 @@ __all__ = ["INDEX_OPS", "SCATTER_OPS", "indexed_functional", "indexed_inplace"]
 INDEX_OPS = frozenset({"index_add_", "index_copy_", "index_fill_", "index_reduce_"})
 # Ops whose ``index``/``src`` have ``self``'s ndim and may be shorter than ``self`` on any dim.
 SCATTER_OPS = frozenset({"scatter_", "scatter_add_", "scatter_reduce_"})
-
-
-def _dtensor_class() -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def _full(value: Any) -> Any:
-    if isinstance(value, _dtensor_class()):
-        return value.full_tensor()
-    return value
 
 
 def _windows(target: Any) -> dict[int, tuple[int, int]] | None:
@@ -76,7 +69,7 @@ def _windows(target: Any) -> dict[int, tuple[int, int]] | None:
 def _aligned(value: Any, target: Any, windows: dict[int, tuple[int, int]]) -> bool:
     """``value`` is a DTensor whose local block already lines up with ``target``'s."""
     return (
-        isinstance(value, _dtensor_class())
+        isinstance(value, dtensor_class())
         and value.device_mesh == target.device_mesh
         and tuple(value.placements) == tuple(target.placements)
         and value.ndim == target.ndim
@@ -94,7 +87,7 @@ def _cut(value: Any, target: Any, windows: dict[int, tuple[int, int]], skip: int
         return value
     if skip not in windows and _aligned(value, target, windows):
         return local_tensor(value)
-    full = _full(value)
+    full = full_tensor(value)
     for d, (offset, length) in windows.items():
         if d == skip or full.ndim <= d:
             continue
@@ -117,7 +110,7 @@ def indexed_inplace(op_call: Any, args: Any, kwargs: Any) -> Any:
         TypeError: ``self`` is a plain tensor (DTensor arguments cannot be written into it).
     """
     target = args[0]
-    if not isinstance(target, _dtensor_class()):
+    if not isinstance(target, dtensor_class()):
         raise TypeError(
             f"{op_call}: in-place write into a plain torch.Tensor from DTensor arguments; "
             "make self a DTensor"
@@ -130,9 +123,9 @@ def indexed_inplace(op_call: Any, args: Any, kwargs: Any) -> Any:
     if name in SCATTER_OPS and dim in windows:
         return inplace_through_full(op_call, args, kwargs)
     # index_* take a 1-D index along ``dim``: used whole; scatter* take one shaped like self.
-    index = _full(args[2]) if name in INDEX_OPS else _cut(args[2], target, windows, dim)
+    index = full_tensor(args[2]) if name in INDEX_OPS else _cut(args[2], target, windows, dim)
     rest = [_cut(a, target, windows, dim) for a in args[3:]]
-    kw = {k: _full(v) for k, v in kwargs.items()}
+    kw = {k: full_tensor(v) for k, v in kwargs.items()}
     if name in INDEX_OPS and dim in windows:
         size = int(target.shape[dim])
         wraps = name == "index_fill_"  # index_fill_ alone accepts negative indices

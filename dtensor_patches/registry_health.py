@@ -3,7 +3,7 @@
 ``apply_all()``'s report says what it did at the time. Code outside this library can change
 the same tables afterwards (``loss_parallel()`` pops its handlers on leaving, a user's own
 ``register_op_strategy``), so the report can go stale; ``health()`` checks every entry an
-applied patch installed against the table itself. (It was called ``status()`` in 0.1.0, a
+applied patch installed against the table itself. (It was called ``status()`` before the redesign, a
 name one letter's case away from the ``Status`` of an apply outcome; the old names warn.)
 """
 
