@@ -420,11 +420,11 @@ def resolve_target(target: str) -> Any:
 
 
 def _scan_on_rank(target: str, apply_patches: bool) -> dict[str, Any]:
-    import dtensor_patches
+    from dtensor_patches.registry import apply_all
 
     fn = resolve_target(target)
     if apply_patches:
-        dtensor_patches.apply_all()
+        apply_all()
     found = Scan()
     try:
         with scan() as found:

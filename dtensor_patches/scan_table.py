@@ -6,10 +6,12 @@ fallbacks."""
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from dtensor_patches.scan import Finding, ScanReport
+# The report's types (``dtensor_patches.scan.ScanReport``, ``Finding``) are not imported: scan
+# imports this module to render its report, and the layers must not import each other.
+ScanReport = Any
+Finding = Any
 
 # Worst first: the cell of an op shows its worst finding on that release.
 _SEVERITY = ("fallbk", "FAILS", "WRONG", "fails?", "wrong?", "decomp", "absent", "patch", "ok")

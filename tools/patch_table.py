@@ -67,6 +67,8 @@ def _short_ops(ops: tuple[str, ...]) -> str:
 def _link(url: str | None) -> str:
     if not url:
         return ""
+    if ", https://" in url:
+        return ", ".join(_link(part) for part in url.split(", "))
     text = url.split(" ", 1)
     target = text[0]
     rest = f" {text[1]}" if len(text) > 1 else ""

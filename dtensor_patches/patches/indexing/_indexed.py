@@ -17,7 +17,7 @@ allows:
   path, so torch raises its own error, on every rank.
 - ``scatter*`` with ``self`` sharded on ``dim``, ``put_`` (flat indices), ``Partial`` or other
   placements: gathered, written, and each rank copies its shard of the result back
-  (:func:`dtensor_patches.handlers.inplace_through_full`).
+  (:func:`dtensor_patches.dispatch.gather.inplace_through_full`).
 
 Plain tensors among the arguments (an index built from a Python list, say) are taken as
 replicated: the same on every rank.

@@ -5,7 +5,7 @@ Trigger: ``torch.nonzero(mask)``, ``torch.masked_select(x, mask)``, ``torch.uniq
 inside shape propagation (``Sharding propagation failed``), before any strategy is looked up,
 so a strategy cannot help.
 
-Fix: a custom handler (``dtensor_patches.handlers.replicated_result``) gathers the inputs,
+Fix: a custom handler (``dtensor_patches.dispatch.gather.replicated_result``) gathers the inputs,
 runs the op once on full tensors, and returns ``Replicate()`` DTensors holding the correct
 global result (global indices for ``nonzero``). This gathers whole inputs by nature: each rank
 needs the global output shape.

@@ -7,7 +7,7 @@ A ``Partial(sum)`` target (every other mesh dim replicated) stays ``Partial(sum)
 communication of the target: the values are written into the shares of mesh coordinate 0
 and zeros into the others, which is what torch does where it can run such a call.
 
-Fix: a custom handler (``dtensor_patches.handlers.inplace_through_full``): the write is applied
+Fix: a custom handler (``dtensor_patches.dispatch.gather.inplace_through_full``): the write is applied
 to the gathered tensor and each rank copies its own shard of the result back into the caller's
 local tensor, so ``x`` changes in place, keeps its placements, and no write that lands on
 another rank's shard is lost. The out-of-place ``index_put`` returns the same values,

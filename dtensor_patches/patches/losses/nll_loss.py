@@ -12,7 +12,7 @@ Torch 2.14 replicates the batch for ``mean`` instead (correct, gathers).
 Trigger: token-level cross entropy of a language model with the batch or sequence sharded
 (data/sequence parallel), with padding ignored.
 
-Fix (:func:`dtensor_patches.handlers.nll_loss`): batch (and spatial) dims stay sharded, the
+Fix (:func:`dtensor_patches.patches.losses._global_mean.nll_loss`): batch (and spatial) dims stay sharded, the
 class dim is gathered, ``mean`` divides the global weighted sum by the global total weight
 (one scalar all-reduce); ``nll_loss2d`` likewise. Replaces torch's strategy
 (``overrides_existing``).

@@ -28,7 +28,7 @@ Fix: one custom handler per op, replacing torch's. It acts on the placements of 
   wrong with it on 2.13 (forward and backward disagree in shape with a "same"-padded
   ``conv1d``: ``The size of tensor a (8) must match the size of tensor b (4)``), so it is
   computed gathered as below;
-- anything else: the fallback's machinery (``fallback.run_gathered``): inputs gathered, the op
+- anything else: the fallback's machinery (``dispatch.gather.run_gathered``): inputs gathered, the op
   run once on full tensors, outputs described (``Replicate()`` unless an output has the shape
   of an input); logged and counted in ``fallback_report()`` like any fallback.
 

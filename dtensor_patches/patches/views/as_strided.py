@@ -8,7 +8,7 @@ with DTensor`` for the rest, before sharding propagation, so the fallback's miss
 sees the call.
 
 Fix: a custom handler that keeps torch's no-op case (``aten.alias``) and runs every other call
-through the fallback's machinery on gathered inputs (``fallback.run_gathered``): a copy of the
+through the fallback's machinery on gathered inputs (``dispatch.gather.run_gathered``): a copy of the
 strided view, ``Replicate()`` unless its shape is the input's, tracked like ``inplace_writes``'
 views so that an in-place write into it (``fill_diagonal_``) reaches the tensor it was made
 from. It gathers the whole input by nature: a strided view may touch any element. Counted in
