@@ -159,6 +159,11 @@ def tables() -> Tables:
     return Tables()
 
 
+# The op-keyed tables a dispatcher object has never change: asked once per dispatcher (every
+# registration asks while ``apply_all()`` runs).
+_NAMES_OF: dict[int, tuple[object, list[str]]] = {}
+
+
 def table_names() -> list[str]:
     """The names of the op-keyed tables this release has (DTensor's, ``loss_parallel()``'s and
     the library's own), without copying them.
@@ -166,6 +171,17 @@ def table_names() -> list[str]:
     Raises:
         PatchError: a required table moved.
     """
+    dispatcher, propagator = op_dispatcher(), sharding_propagator()
+    known = _NAMES_OF.get(id(propagator))
+    if known is not None and known[0] is propagator and dispatcher is op_dispatcher():
+        return list(known[1])
+    names = _table_names()
+    _NAMES_OF.clear()
+    _NAMES_OF[id(propagator)] = (propagator, names)
+    return list(names)
+
+
+def _table_names() -> list[str]:
     names = []
     for owner, attr, _required in OP_TABLES:
         if _op_table(f"{owner}.{attr}") is not None:
