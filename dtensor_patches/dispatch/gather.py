@@ -107,17 +107,42 @@ def _gather(value: Any) -> tuple[Any, int]:
     if value.numel() == 0:
         # Nothing to gather; torch 2.9's all-gather of empty uneven shards hangs on some ranks.
         return torch.empty(value.shape, dtype=value.dtype, device=local.device), 0
-    full = value.detach().full_tensor()
-    if value.is_contiguous() and not full.is_contiguous():
-        # Gathering a Shard(d > 0) gives a permuted view on some releases (2.9); views
-        # (``flatten``) of the gathered tensor must see the layout the DTensor reports.
-        full = full.contiguous()
+    full = _in_layout_of(value, value.detach().full_tensor())
     if any(p.is_shard() for p in value.placements):
         moved = max(full.numel() - local.numel(), 0) * full.element_size()
     else:
         # Partial only: a reduction, not a gather; every rank still received a full copy.
         moved = full.numel() * full.element_size()
     return full, moved
+
+
+def _dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` lays out ``shape`` densely without overlap (a permutation of a
+    contiguous layout: what a transpose of a contiguous tensor has)."""
+    running = 1
+    for size, step in sorted(zip(shape, stride, strict=True), key=lambda d: (d[1], d[0])):
+        if size == 1:
+            continue
+        if step != running:
+            return False
+        running *= size
+    return True
+
+
+def _in_layout_of(value: Any, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (the gathered tensor of the DTensor ``value``) with the strides ``value``
+    reports, where those are a dense layout: view ops on the gathered tensor must succeed or
+    fail as on a single device (the gather gives a contiguous tensor for ``x.t()`` of a
+    ``Shard(0)`` ``x``, where ``x.t().view(-1)`` raises on one device; and a permuted one for a
+    ``Shard(d > 0)`` on 2.9, where ``flatten`` must see the reported layout; issue 23, item
+    15). A layout with overlap or gaps (``expand``) keeps the gathered one."""
+    if full.stride() == value.stride() or full.numel() == 0:
+        return full
+    if not _dense_layout(value.shape, value.stride()):
+        return full.contiguous() if value.is_contiguous() else full
+    out = torch.empty_strided(value.shape, value.stride(), dtype=full.dtype, device=full.device)
+    out.copy_(full)
+    return out
 
 
 def _scratch(original: Any, full: Any, targets: list[tuple[Any, torch.Tensor]]) -> Any:
