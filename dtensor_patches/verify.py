@@ -8,9 +8,9 @@ equal the plain one: integers, bools and indices exactly, floating values within
 that tensor is a view of another DTensor (its *base*), by the base too: a write that the view
 kept and its base lost is a mismatch. A view's value in the reference is its place in its
 base's current value (as on one device), so a view that holds a stale copy of its base is
-found too (issue 23, item 17). Views are judged by their full value, ``Partial`` results by their reduced value, multi-output ops output by
-output; ``aten._local_scalar_dense`` (``.item()``, ``tolist()``, ``int()``, ``float()``) by the
-Python number. Every DTensor the call touched must also still be self-consistent: its local
+found too (issue 23, item 17). Views are judged by their full value, ``Partial`` results by
+their reduced value, multi-output ops output by output; ``aten._local_scalar_dense``
+(``.item()``, ``tolist()``, ``int()``, ``float()``) by the Python number. Every DTensor the call touched must also still be self-consistent: its local
 shape is the one its spec implies (a strategy that writes into its input's spec breaks that).
 
 Random ops (``dropout``, ``rand_like``…) run unchecked and are counted as such, and so are ops
@@ -295,7 +295,10 @@ class _Checker:
             if isinstance(view, dtensor) and view is not args[0]:
                 index = i if isinstance(out, (list, tuple)) else None
                 record = (args[0], func, tuple(args[1:]), dict(kwargs), index)
-                self._views[id(view)] = (weakref.ref(view), record)
+                key = id(view)
+                # The entry goes with the view (ids are reused once it is gone).
+                ref = weakref.ref(view, lambda _, key=key: self._views.pop(key, None))
+                self._views[key] = (ref, record)
 
     def _base_of(self, view: Any) -> tuple[Any, Any] | None:
         """``(base, place)``: the DTensor ``view`` is a view of (its chain followed to the
