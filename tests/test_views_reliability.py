@@ -11,7 +11,8 @@ is the one its spec implies): a corrupted one would abort gloo or hang in the ga
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -367,6 +368,23 @@ _VERIFY_PROGRAMS: dict[str, Callable[[torch.Tensor], None]] = {
 }
 
 
+@contextlib.contextmanager
+def _without(name: str) -> Iterator[None]:
+    """Patch ``name`` not applied for the block (an earlier test on this rank may have left it
+    applied, which ``patched(exclude=...)`` does not undo), then as it was."""
+    import dtensor_patches
+
+    patch = dtensor_patches.get(name)
+    was = patch.is_applied
+    if was:
+        patch.revert()
+    try:
+        yield
+    finally:
+        if was:
+            patch.apply()
+
+
 def _verify_case(name: str, tracked: bool) -> dict[str, Any]:
     """``name`` under ``verify()``: with tracked views (every write reaches the base: a clean
     report) or without them (writes through the views are lost: a mismatch naming the base)."""
@@ -381,7 +399,8 @@ def _verify_case(name: str, tracked: bool) -> dict[str, Any]:
     full = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
     plain = full.clone()
     program(plain)
-    with dtensor_patches.patched(exclude=[] if tracked else ["view_writes"]):
+    without = contextlib.nullcontext() if tracked else _without("view_writes")
+    with without, dtensor_patches.patched(exclude=[] if tracked else ["view_writes"]):
         x = distribute_tensor(full.clone(), world_mesh(), [Shard(0)])
         with dtensor_patches.verify(raise_on_mismatch=False) as report:
             program(x)
@@ -421,7 +440,7 @@ def _view_made_before_verify() -> dict[str, Any]:
     if not view_geometry_is_global():
         return {"skipped": f"views report no global offset on torch {torch.__version__}"}
     full = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
-    with dtensor_patches.patched(exclude=["view_writes"]):
+    with _without("view_writes"), dtensor_patches.patched(exclude=["view_writes"]):
         x = distribute_tensor(full.clone(), world_mesh(), [Shard(0)])
         v = x[1:3]
         with dtensor_patches.verify(raise_on_mismatch=False) as report:
