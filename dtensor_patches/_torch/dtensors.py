@@ -131,6 +131,29 @@ def set_spec(dtensor: DTensor, spec: DTensorSpec) -> None:
     dtensor._spec = spec
 
 
+def set_local(dtensor: DTensor, local: torch.Tensor) -> None:
+    """Give ``dtensor`` another local tensor in place (same shape, its spec unchanged): for a
+    local tensor that cannot be written into (an expanded one, whose elements overlap)."""
+    if tuple(local_tensor(dtensor).shape) != tuple(local.shape):
+        raise ValueError(
+            f"set_local: shape {list(local.shape)} for a local tensor of "
+            f"{list(local_tensor(dtensor).shape)}"
+        )
+    dtensor._local_tensor = local
+
+
+def has_internal_overlap(tensor: torch.Tensor) -> bool:
+    """Whether some elements of ``tensor`` share memory (``expand``): it cannot be written into
+    with ``copy_``. ``torch._debug_has_internal_overlap`` answers 0 (no), 1 (yes) or 2 (too
+    hard to tell); 2 counts as overlap.
+
+    Raises:
+        PatchError: the function moved.
+    """
+    check = attribute(torch, "_debug_has_internal_overlap", "torch._debug_has_internal_overlap")
+    return int(check(tensor)) != 0
+
+
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, cls: type | None = None) -> Any:
     """A DTensor (or an instance of the DTensor subclass ``cls``) over ``local`` with ``spec``,
     without communication or checks: ``DTensor(local, spec, requires_grad=False)``, the
