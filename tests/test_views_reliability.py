@@ -333,3 +333,105 @@ def test_fallback_views_refused_where_writes_cannot_reach_the_base(pool2: RankPo
         pytest.skip(results[0]["skipped"])
     for rank, r in enumerate(results):
         assert not r["problems"], f"rank {rank}: " + "; ".join(r["problems"])
+
+
+# --- item 17: verify() checks the base of a written view -----------------------------------
+
+
+def _lost_fill(x: torch.Tensor) -> None:
+    x[1:3].fill_(2.0)
+
+
+def _stale_add(x: torch.Tensor) -> None:
+    v = x[1:3]
+    x.mul_(2.0)
+    v.add_(1.0)
+
+
+def _select_after_zero(x: torch.Tensor) -> None:
+    v = x[2]
+    x.zero_()
+    v.add_(1.0)
+
+
+def _aminmax_into_views(x: torch.Tensor) -> None:
+    y = x[2:4] * 1
+    torch.aminmax(y, dim=0, out=(x[0], x[1]))
+
+
+_VERIFY_PROGRAMS: dict[str, Callable[[torch.Tensor], None]] = {
+    "x[1:3].fill_(2)": _lost_fill,
+    "v = x[1:3]; x.mul_(2); v.add_(1)": _stale_add,
+    "v = x[2]; x.zero_(); v.add_(1)": _select_after_zero,
+    "aminmax(y, 0, out=(x[0], x[1]))": _aminmax_into_views,
+}
+
+
+def _verify_case(name: str, tracked: bool) -> dict[str, Any]:
+    """``name`` under ``verify()``: with tracked views (every write reaches the base: a clean
+    report) or without them (writes through the views are lost: a mismatch naming the base)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import dtensor_patches
+    from dtensor_patches.testing import world_mesh
+
+    if tracked and not dtensor_patches.get("view_writes").applies_to():
+        return {"skipped": f"view_writes is gated out on torch {torch.__version__}"}
+    program = _VERIFY_PROGRAMS[name]
+    full = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    plain = full.clone()
+    program(plain)
+    with dtensor_patches.patched(exclude=[] if tracked else ["view_writes"]):
+        x = distribute_tensor(full.clone(), world_mesh(), [Shard(0)])
+        with dtensor_patches.verify(raise_on_mismatch=False) as report:
+            program(x)
+        got = x.full_tensor()
+    return {
+        "skipped": None,
+        "right": torch.allclose(got, plain, atol=1e-6),
+        "mismatches": [str(m) for m in report.mismatches],
+    }
+
+
+@pytest.mark.parametrize("name", list(_VERIFY_PROGRAMS))
+@pytest.mark.parametrize("tracked", [True, False], ids=["tracked views", "no tracked views"])
+def test_verify_reports_writes_a_base_lost(pool2: RankPool, name: str, tracked: bool) -> None:
+    results = pool2.run(_verify_case, name, tracked)
+    if results[0]["skipped"]:
+        pytest.skip(results[0]["skipped"])
+    for rank, r in enumerate(results):
+        if r["right"]:
+            assert not r["mismatches"], f"rank {rank}: false report: {r['mismatches']}"
+        else:
+            # The base is wrong after the program: verify must have said so.
+            assert r["mismatches"], f"rank {rank}: {name}: the base is wrong, verify is clean"
+    if tracked:
+        assert all(r["right"] for r in results), "tracked views: the base is wrong"
+    else:
+        assert not results[0]["right"], "without tracked views the write was expected lost"
+
+
+def _view_made_before_verify() -> dict[str, Any]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import dtensor_patches
+    from dtensor_patches._torch.versions import view_geometry_is_global
+    from dtensor_patches.testing import world_mesh
+
+    if not view_geometry_is_global():
+        return {"skipped": f"views report no global offset on torch {torch.__version__}"}
+    full = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    with dtensor_patches.patched(exclude=["view_writes"]):
+        x = distribute_tensor(full.clone(), world_mesh(), [Shard(0)])
+        v = x[1:3]
+        with dtensor_patches.verify(raise_on_mismatch=False) as report:
+            v.fill_(2.0)
+    return {"skipped": None, "mismatches": [str(m) for m in report.mismatches]}
+
+
+def test_verify_finds_the_base_of_a_view_made_before_the_block(pool2: RankPool) -> None:
+    results = pool2.run(_view_made_before_verify)
+    if results[0]["skipped"]:
+        pytest.skip(results[0]["skipped"])
+    for rank, r in enumerate(results):
+        assert any("base" in m for m in r["mismatches"]), f"rank {rank}: {r['mismatches']}"
