@@ -39,7 +39,6 @@ import torch
 from dtensor_patches import state
 from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.dtensors import (
-    base_of,
     dtensor_class,
     full_value,
     local_shape_and_offset,
@@ -308,7 +307,7 @@ class _Checker:
             records.append(record)
             node = record[0]
         geometry = None
-        base = base_of(node) if isinstance(node, torch.Tensor) else None
+        base = getattr(node, "_base", None)
         if (
             isinstance(base, dtensor)
             and base is not node

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
-    "base_of",
     "check_internals",
     "dtensor_class",
     "dtensor_types",
@@ -32,7 +31,6 @@ __all__ = [
     "full_tensor",
     "full_value",
     "has_base",
-    "has_internal_overlap",
     "is_dtensor",
     "is_view",
     "local_shape_and_offset",
@@ -42,7 +40,6 @@ __all__ = [
     "module_parameters",
     "relabel",
     "rewrap",
-    "set_local",
     "set_spec",
     "shares_storage",
     "spec_of",
@@ -222,12 +219,6 @@ def is_view(tensor: torch.Tensor) -> bool:
 def has_base(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` was made as a view of another (``Tensor._base`` is set)."""
     return tensor._base is not None
-
-
-def base_of(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The tensor ``tensor`` was made as a view of (``Tensor._base``), or ``None``."""
-    base: torch.Tensor | None = tensor._base
-    return base
 
 
 def module_parameters(module: torch.nn.Module) -> dict[str, Any]:
