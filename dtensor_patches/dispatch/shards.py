@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["contiguous_stride", "gather_full", "in_layout_of", "partial_shares", "shard_of"]
+__all__ = ["contiguous_stride", "gather_full", "partial_shares", "shard_of"]
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -81,7 +81,7 @@ def _dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
-def in_layout_of(value: Any, full: torch.Tensor) -> torch.Tensor:
+def _in_layout_of(value: Any, full: torch.Tensor) -> torch.Tensor:
     """``full`` (the gathered tensor of the DTensor ``value``) with the strides ``value``
     reports, where those are a dense layout: view ops on the gathered tensor must succeed or
     fail as on a single device (the gather gives a contiguous tensor for ``x.t()`` of a
@@ -114,7 +114,7 @@ def gather_full(value: Any) -> tuple[Any, int]:
     if value.numel() == 0:
         # Nothing to gather; torch 2.9's all-gather of empty uneven shards hangs on some ranks.
         return torch.empty(value.shape, dtype=value.dtype, device=local.device), 0
-    full = in_layout_of(value, value.detach().full_tensor())
+    full = _in_layout_of(value, value.detach().full_tensor())
     if any(p.is_shard() for p in value.placements):
         moved = max(full.numel() - local.numel(), 0) * full.element_size()
     else:

@@ -65,15 +65,7 @@ from dtensor_patches.ledger import EntryKey
 if TYPE_CHECKING:
     from dtensor_patches._torch.types import OpSchema
 
-__all__ = [
-    "TrackViews",
-    "is_tracked",
-    "region_in",
-    "track",
-    "tracked_view_class",
-    "view_record",
-    "view_rule",
-]
+__all__ = ["TrackViews", "is_tracked", "track", "tracked_view_class", "view_rule"]
 
 
 @functools.cache
@@ -105,23 +97,6 @@ def is_tracked(value: object) -> bool:
 def _record(view: Any) -> tuple[Any, Any, tuple[Any, ...], dict[str, Any], int | None]:
     """``(source, view op, other args, kwargs, output index)`` of a tracked view."""
     return view.dtensor_patches_view_of
-
-
-def view_record(
-    value: object,
-) -> tuple[Any, Any, tuple[Any, ...], dict[str, Any], int | None] | None:
-    """``(source, view op, other args, kwargs, output index)`` of a tracked view, else ``None``."""
-    return _record(value) if is_tracked(value) else None
-
-
-def region_in(full_source: torch.Tensor, record: Any) -> torch.Tensor:
-    """The view ``record`` (a :func:`view_record`) describes, replayed on the plain
-    ``full_source``: a view of it.
-
-    Raises:
-        LostWriteError: the replay fails or is not a view of ``full_source``.
-    """
-    return _region(record, full_source, write=True)
 
 
 def track(out: Any, source: Any, op_call: Any, rest: tuple[Any, ...], kwargs: Any) -> Any:
