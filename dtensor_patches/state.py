@@ -11,6 +11,8 @@ everything that must outlive a call lives here, and nowhere else at module level
   sharding-propagation cache miss (:mod:`dtensor_patches.dispatch.miss_rules`).
 - :data:`FALLBACK`: the library's own table holding the call fallback (key ``"call"``) and its
   mode (key ``"mode"``), read by the dispatch hook when torch refuses a call.
+- :data:`FALLBACK_CHOICE`: the fallback mode the last ``apply_all()`` installed (key
+  ``"mode"``), kept by a later argument-less ``apply_all()``; ``revert_all()`` forgets it.
 
 Per-thread state (the op a 2.9 dispatch is running, a ``verify()`` block's log, a tracked view
 being made) is thread-local by nature and stays in the module that uses it, named there.
@@ -24,7 +26,15 @@ from typing import Any
 
 from dtensor_patches.ledger import Ledger
 
-__all__ = ["FALLBACK", "FALLBACK_TABLE", "LEDGER", "LOCK", "MISS_RULES", "MISS_RULES_TABLE"]
+__all__ = [
+    "FALLBACK",
+    "FALLBACK_CHOICE",
+    "FALLBACK_TABLE",
+    "LEDGER",
+    "LOCK",
+    "MISS_RULES",
+    "MISS_RULES_TABLE",
+]
 
 LOCK = threading.RLock()
 LEDGER = Ledger()
@@ -34,3 +44,5 @@ MISS_RULES: dict[Hashable, Callable[..., Any]] = {}
 
 FALLBACK_TABLE = "dtensor_patches.fallback"
 FALLBACK: dict[str, Any] = {}
+
+FALLBACK_CHOICE: dict[str, str] = {}

@@ -1,0 +1,126 @@
+"""Reliability of the critic's packing paths and checkpoint loads (issue 23, items 7, 8, 9, 18).
+
+One 2-rank CPU gloo :class:`~dtensor_patches.testing.RankPool` for the module, with a timeout
+that fails a test whose ranks are left blocked in a collective. Each test compares the worker
+with the single-process model on the whole batch, or checks the documented promise: the same
+clear error on every rank, the worker exactly as it was, no code run from a crafted file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dtensor_patches.testing import RankPool
+from ppo_value.config import ValueConfig, tiny_model_config
+from tests.ppo_value import _ranks_reliability as rr
+from tests.ppo_value.batches import make_batch
+
+pytestmark = pytest.mark.ppo
+
+TOL = 1e-5
+ONE_LAYER = tiny_model_config("qwen2", num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RankPool]:
+    # A rank left blocked in a collective must fail the test in minutes, not hang it.
+    with RankPool(world_size=2, env={"OMP_NUM_THREADS": "1"}, timeout=180) as p:
+        yield p
+
+
+def _cfg(**kw: Any) -> dict[str, Any]:
+    return ValueConfig(**{"dp": 2, "tp": 1, "model_config": ONE_LAYER, **kw}).to_dict()
+
+
+def _same_error_everywhere(outcomes: list[Any]) -> tuple[str, str]:
+    assert all(o is not None for o in outcomes), outcomes
+    assert len(set(outcomes)) == 1, f"ranks raised different errors: {outcomes}"
+    first: tuple[str, str] = outcomes[0]
+    return first
+
+
+# ------------------------------------------------------------ fully masked sequences (item 7)
+MASKED_CONFIGS = {
+    "packed": {"sequence_packing": True},
+    "packed-budget": {"sequence_packing": True, "max_tokens_per_micro_batch": 12},
+    "packed-eager": {"sequence_packing": True, "attn_implementation": "eager"},
+    "padded": {},
+}
+
+
+@pytest.mark.parametrize("masked", ["micro_batch", "dp_rank"])
+@pytest.mark.parametrize("config", list(MASKED_CONFIGS))
+def test_fully_masked_sequences_on_one_dp_rank_train_as_one_process(
+    pool: RankPool, config: str, masked: str
+) -> None:
+    """dp rank 1 gets a micro-batch (or its whole shard) of sequences without any token: no
+    rank raises or hangs, and values and the step equal the single-process step on the whole
+    batch (issue 23 item 7: packing raised ``row_tokens must be >= 1`` on rank 1 only, while
+    rank 0 waited in FSDP2's all-gather)."""
+    batch = make_batch(8, 6, seed=11)
+    rows = slice(4, 6) if masked == "micro_batch" else slice(4, 8)  # dp rank 1 holds 4..7
+    for key in ("attention_mask", "loss_mask"):
+        batch[key][rows] = 0
+    results = pool.run(rr.masked_sequences_vs_reference, _cfg(**MASKED_CONFIGS[config]), batch, 2)
+    for r in results:
+        assert r["values_outcome"] is None and r["train_outcome"] is None, r
+        assert r["values_diff"] < TOL and r["values_finite"]
+        assert r["skipped"] == 0.0
+        assert r["weight_diff"] < TOL
+        assert r["loss_diff"] < 1e-6 and r["grad_norm_diff"] < 1e-5
+
+
+# ------------------------------------------------------------ masks packing cannot honour (18)
+BAD_MASKS = {
+    # config: cases that must be refused
+    "packed": ["loss_outside_attention", "attention_hole", "left_padded"],
+    "padded": ["loss_outside_attention"],
+}
+MASK_ERRORS = {
+    "loss_outside_attention": "loss_mask is 1 at position (1, ",
+    "attention_hole": "attention_mask of sequence 0 is not right-padded",
+    "left_padded": "attention_mask of sequence 1 is not right-padded",
+}
+
+
+@pytest.mark.parametrize("config", list(BAD_MASKS))
+def test_masks_packing_cannot_honour_are_refused_on_every_rank(pool: RankPool, config: str) -> None:
+    """``loss_mask = 1`` where ``attention_mask = 0`` (a loss on a position the model does not
+    see), and under packing an ``attention_mask`` with a hole or left padding (packed positions
+    restart at 0 where the padded forward counts columns), on the last dp rank only: the same
+    ``ValueError`` on every rank, for ``train`` and ``get_values``, the worker unchanged, and
+    the next good call equal to the single-process model (issue 23 item 18: packed and padded
+    silently trained differently)."""
+    cfg = _cfg(sequence_packing=config == "packed")
+    batch = make_batch(4, 7, seed=12)
+    batch["attention_mask"][:, :5] = 1  # every sequence has tokens 0..4 (room for a hole)
+    results = pool.run(rr.bad_masks, cfg, batch, BAD_MASKS[config])
+    for case in BAD_MASKS[config]:
+        for method in ("train", "get_values"):
+            key = f"{case}/{method}"
+            if method == "get_values" and case == "loss_outside_attention":
+                # get_values takes no loss_mask: nothing to refuse
+                assert all(r[key]["outcome"] is None for r in results), key
+                continue
+            exc_type, message = _same_error_everywhere([r[key]["outcome"] for r in results])
+            assert exc_type == "ValueError", (key, message)
+            assert message.startswith(f"{method}: rank 1: "), (key, message)
+            assert MASK_ERRORS[case] in message, (key, message)
+            assert all(r[key]["unchanged"] for r in results), key
+    for r in results:
+        assert r["good_values_diff"] < TOL
+
+
+def test_attention_hole_without_packing_runs_as_one_process(pool: RankPool) -> None:
+    """The padded path keeps accepting a hole and computes what the single-process model
+    does (the refusal above is for packing only)."""
+    batch = make_batch(8, 7, seed=13)
+    batch["attention_mask"][:, :5] = 1
+    batch["attention_mask"][[1, 6], 2] = 0  # one hole on each dp rank
+    batch["loss_mask"] *= batch["attention_mask"]
+    for r in pool.run(rr.holes_padded_vs_reference, _cfg(), batch):
+        assert r["values_diff"] < TOL
+        assert r["weight_diff"] < TOL and r["loss_diff"] < 1e-6
