@@ -124,3 +124,46 @@ def test_attention_hole_without_packing_runs_as_one_process(pool: RankPool) -> N
     for r in pool.run(rr.holes_padded_vs_reference, _cfg(), batch):
         assert r["values_diff"] < TOL
         assert r["weight_diff"] < TOL and r["loss_diff"] < 1e-6
+
+
+# ------------------------------------------------------------ checkpoint loads (items 8, 9)
+BAD_LOADS = {
+    # kind: (the file the error names, words of the problem)
+    "other_scheduler": ("trainer_state.pt", "does not fit this worker's LambdaLR"),
+    "scheduler_two_groups": ("trainer_state.pt", "2 items != 1"),
+    "bad_rng_rank1": ("rng_rank1.pt", "RNG state cannot be restored"),
+    "float_rng_rank1": ("rng_rank1.pt", "RNG state cannot be restored"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_load_results(pool: RankPool, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    root = tmp_path_factory.mktemp("bad-loads")
+    cfg = _cfg(lr=1e-2, warmup_steps=2)
+    return pool.run(rr.bad_loads, cfg, make_batch(4, 6, seed=14), str(root), list(BAD_LOADS))
+
+
+@pytest.mark.parametrize("kind", list(BAD_LOADS))
+def test_bad_checkpoint_load_changes_nothing_on_every_rank(
+    bad_load_results: list[Any], kind: str
+) -> None:
+    """Item 9: another scheduler's ``trainer_state.pt`` raised ``KeyError`` after the weights,
+    optimizer state and groups were overwritten; a bad ``rng_rank1.pt`` raised on rank 1 only,
+    after its state changed, while rank 0 returned. Item 8: a crafted ``.metadata`` or stored
+    bytes item ran code (DCP unpickles both with plain ``pickle``). Now: the same
+    ``CheckpointError`` on every rank naming the file, nothing changed, no code run."""
+    name, problem = BAD_LOADS[kind]
+    per_rank = [r[kind] for r in bad_load_results]
+    for r in per_rank:
+        assert not r["code_ran"], f"{kind}: loading the checkpoint ran code"
+    exc_type, message = _same_error_everywhere([r["outcome"] for r in per_rank])
+    assert exc_type == "CheckpointError", message
+    assert name in message and problem in message, message
+    for r in per_rank:
+        assert r["unchanged"], f"{kind}: the failed load changed the worker"
+
+
+def test_good_checkpoint_still_loads_after_bad_ones(bad_load_results: list[Any]) -> None:
+    for r in bad_load_results:
+        assert r["good"]["step"] == 1
+        assert r["good"]["values_diff"] < TOL
