@@ -19,8 +19,10 @@ rank raises the same :class:`CheckpointError` at once instead of the others bloc
 process-group timeout.
 
 A load validates everything before it changes anything: the files are present and readable,
-``.pt`` files are read with ``torch.load(weights_only=True)`` (no code runs from a crafted
-file), ``meta.json`` is valid, the scheduler state loads into this scheduler and every rank's
+``.pt`` files are read with ``torch.load(weights_only=True)`` and DCP's pickled ``.metadata``
+and stored non-tensor items through :mod:`ppo_value._safe_dcp` (an allowlist of DCP's
+metadata classes, ``weights_only=True``), so no code runs from a crafted file; ``meta.json``
+is valid, the scheduler state loads into this scheduler and every rank's
 RNG state into a probe generator, and the checkpoint's model (architecture and parameter names
 and shapes) equals the one it is loaded into; every rank agrees on the outcome, so a bad file
 is the same :class:`CheckpointError` on every rank. The DCP shards are then read into fresh buffers and
@@ -51,6 +53,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ppo_value._agree import agree, describe
+from ppo_value._safe_dcp import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    read_metadata,
+)
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +381,9 @@ def _check_model_tensors(src: Path, model_sd: Mapping[str, Any]) -> None:
     if not file.is_file():
         raise CheckpointError(f"{file}: missing")
     try:
-        metadata = dcp.FileSystemReader(str(src / "dcp")).read_metadata()
+        metadata = read_metadata(file)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(f"{file}: refused, no code may run from a checkpoint: {exc}") from exc
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"{file}: unreadable ({describe(exc)})") from exc
     saved = {
@@ -401,6 +411,17 @@ def _check_model_tensors(src: Path, model_sd: Mapping[str, Any]) -> None:
             f"{src / 'dcp'}: the checkpoint's model does not match this worker's: "
             + "; ".join(parts)
         )
+
+
+def _dcp_failure(exc: CheckpointException) -> str:
+    """The first rank's error of a DCP ``CheckpointException`` in one line (its own text is
+    every rank's traceback), and the ranks that failed."""
+    failures = dict(getattr(exc, "failures", None) or {})
+    if not failures:
+        return describe(exc)
+    first = failures[min(failures)]
+    error = first[0] if isinstance(first, tuple) else first
+    return f"{describe(error)} (DCP failed on ranks {sorted(failures)})"
 
 
 def _fresh_buffers(obj: Any) -> Any:
@@ -475,7 +496,17 @@ def load_checkpoint(
     state = {"model": _fresh_buffers(model_sd), "optim": _fresh_buffers(optim_sd)}
 
     def read_shards() -> None:
-        dcp.load(state, checkpoint_id=str(src / "dcp"))
+        # metadata through the allowlist, stored bytes items with weights_only=True: DCP's
+        # own reader and planner unpickle both without restriction (issue 23 item 8)
+        try:
+            dcp.load(
+                state,
+                checkpoint_id=str(src / "dcp"),
+                storage_reader=SafeFileSystemReader(src / "dcp"),
+                planner=SafeLoadPlanner(),
+            )
+        except CheckpointException as exc:
+            raise CheckpointError(_dcp_failure(exc)) from exc
 
     try:
         _step(f"load_checkpoint: reading {src / 'dcp'}", read_shards)
