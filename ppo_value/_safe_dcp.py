@@ -97,7 +97,12 @@ def _reason(exc: BaseException) -> str:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves only the globals of :func:`_allowed`."""
+    """``pickle.Unpickler`` that resolves only the globals of :func:`_allowed`, and records
+    the classes it resolved with their attributes (see :meth:`check_classes_unchanged`)."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        super().__init__(stream)
+        self.classes: dict[type, dict[str, Any]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         value = _allowed(module, name)
@@ -106,7 +111,29 @@ class _MetadataUnpickler(pickle.Unpickler):
                 f"global {module}.{name} is not allowed in DCP metadata (only the classes of "
                 "torch.distributed.checkpoint.metadata, torch.Size, dtypes, layouts, paths)"
             )
+        if isinstance(value, type) and value not in self.classes:
+            self.classes[value] = dict(vars(value))
         return value
+
+    def check_classes_unchanged(self) -> None:
+        """Undo and refuse attributes a pickle set on an allowed class itself (``BUILD`` with
+        a slot state on a class object is ``setattr`` on the class).
+
+        Raises:
+            UnsafeCheckpointError: naming the class.
+        """
+        for cls, before in self.classes.items():
+            after = dict(vars(cls))
+            if after.keys() == before.keys() and all(after[k] is before[k] for k in before):
+                continue
+            for key in after.keys() - before.keys():
+                delattr(cls, key)
+            for key, value in before.items():
+                if after.get(key, value) is not value:
+                    setattr(cls, key, value)
+            raise UnsafeCheckpointError(
+                f"the pickle sets attributes of the class {cls.__module__}.{cls.__qualname__}"
+            )
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError("persistent ids are not allowed in DCP metadata")
@@ -120,7 +147,11 @@ def load_metadata_stream(stream: IO[bytes]) -> Metadata:
             ``Metadata``; nothing outside the allowlist was looked up or called.
         pickle.UnpicklingError, EOFError, ValueError, ...: a malformed pickle.
     """
-    metadata = _MetadataUnpickler(stream).load()
+    unpickler = _MetadataUnpickler(stream)
+    try:
+        metadata = unpickler.load()
+    finally:
+        unpickler.check_classes_unchanged()
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(
             f"expected torch.distributed.checkpoint Metadata, got {type(metadata).__name__}"

@@ -237,3 +237,23 @@ def test_metadata_allowlist_refuses_other_globals(tmp_path: Path, name: str) -> 
         with pytest.raises(UnsafeCheckpointError, match="is not allowed in DCP metadata"):
             read_metadata(file)
         assert not marker.exists()
+
+
+def test_metadata_pickle_may_not_set_attributes_of_an_allowed_class(tmp_path: Path) -> None:
+    """``BUILD`` with a slot state on an allowed class object is ``setattr`` on the class: it
+    is refused and undone (DCP's classes stay as they were)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ppo_value._safe_dcp import UnsafeCheckpointError, read_metadata
+
+    original_eq = Metadata.__eq__
+    file = tmp_path / ".metadata"
+    file.write_bytes(
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n"  # push the class
+        b"N}(X\x07\x00\x00\x00evilkeyK\x01X\x06\x00\x00\x00__eq__ctorch\nSize\nu"
+        b"\x86b."  # BUILD (None, {"evilkey": 1, "__eq__": torch.Size}) on it
+    )
+    with pytest.raises(UnsafeCheckpointError, match="sets attributes of the class"):
+        read_metadata(file)
+    assert not hasattr(Metadata, "evilkey")
+    assert Metadata.__eq__ is original_eq
