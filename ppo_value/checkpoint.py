@@ -345,16 +345,21 @@ def _read_rng(src: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"{file}: expected {{'cpu': tensor, ...}} RNG state")
     if "cuda" in rng and not isinstance(rng["cuda"], torch.Tensor):
         raise CheckpointError(f"{file}: the 'cuda' RNG state is not a tensor")
-    probes = [("cpu", "cpu")]
+    try:
+        torch.Generator(device="cpu").set_state(rng["cpu"])
+    except Exception as exc:
+        raise CheckpointError(
+            f"{file}: the 'cpu' RNG state cannot be restored ({describe(exc)})"
+        ) from exc
     if "cuda" in rng and torch.cuda.is_available():
-        probes.append(("cuda", "cuda"))
-    for key, device in probes:
-        try:
-            torch.Generator(device=device).set_state(rng[key])
-        except Exception as exc:
+        # what torch.cuda.set_rng_state checks: a byte tensor of the current state's size
+        # (not probed on a CUDA generator: the CI machines have no GPU to test that on)
+        cur, new = torch.cuda.get_rng_state(), rng["cuda"]
+        if new.dtype != cur.dtype or new.numel() != cur.numel():
             raise CheckpointError(
-                f"{file}: the {key!r} RNG state cannot be restored ({describe(exc)})"
-            ) from exc
+                f"{file}: the 'cuda' RNG state cannot be restored (expected a {cur.dtype} "
+                f"tensor of {cur.numel()} elements, got {new.dtype} of {new.numel()})"
+            )
     return rng
 
 
