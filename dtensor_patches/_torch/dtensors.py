@@ -45,6 +45,8 @@ __all__ = [
     "spec_of",
     "spec_shape",
     "spec_with_placements",
+    "version_of",
+    "view_root",
 ]
 
 
@@ -196,6 +198,18 @@ def is_view(tensor: torch.Tensor) -> bool:
 def has_base(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` was made as a view of another (``Tensor._base`` is set)."""
     return tensor._base is not None
+
+
+def view_root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor ``tensor`` is a view of (``Tensor._base``), or ``tensor`` itself."""
+    base = tensor._base
+    return tensor if base is None else base
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (``Tensor._version``), shared with its views: it grows with
+    every in-place write into the storage through any of them."""
+    return int(tensor._version)
 
 
 def module_parameters(module: torch.nn.Module) -> dict[str, Any]:
