@@ -179,7 +179,10 @@ def apply_all(
 
     Idempotent (a second call reports ``already applied`` and changes nothing, the fallback
     mode included: a call without ``fallback=`` keeps the mode an earlier call chose) and safe
-    to call from several threads at once. Never overrides a strategy torch already has, unless
+    to call from several threads at once, and while other threads run DTensor ops that
+    communicate on no path (ops that communicate must not run meanwhile: the patch state
+    decides which collectives they make, and ranks that disagree stop pairing; see
+    ``docs/known-gaps.md``). Never overrides a strategy torch already has, unless
     the patch is a wrong-result fix that exists to replace it. Each patch is all-or-nothing:
     a patch that fails leaves torch's registry exactly as it was.
 

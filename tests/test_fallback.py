@@ -494,7 +494,9 @@ def _gathered_locally_case() -> dict[str, Any]:
         "mixed_refused": mixed_refused,
         "plain": type(got) is torch.Tensor,
         "value": _same(got, expected),
-        "grad": _same(grad, expected_grad),
+        # ``h`` is this rank's own data (here the same on each): the loss counts once per rank
+        # and the gradient is their sum, as FSDP's reduce-scatter gives (issue 23, item 1).
+        "grad": _same(grad, expected_grad * dist.get_world_size()),
     }
 
 

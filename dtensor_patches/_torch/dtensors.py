@@ -48,6 +48,8 @@ __all__ = [
     "spec_of",
     "spec_shape",
     "spec_with_placements",
+    "version_of",
+    "view_root",
 ]
 
 
@@ -228,6 +230,18 @@ def base_of(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``tensor`` was made as a view of (``Tensor._base``), or ``None``."""
     base: torch.Tensor | None = tensor._base
     return base
+
+
+def view_root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor ``tensor`` is a view of (``Tensor._base``), or ``tensor`` itself."""
+    base = tensor._base
+    return tensor if base is None else base
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (``Tensor._version``), shared with its views: it grows with
+    every in-place write into the storage through any of them."""
+    return int(tensor._version)
 
 
 def module_parameters(module: torch.nn.Module) -> dict[str, Any]:

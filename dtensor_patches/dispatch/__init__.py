@@ -3,7 +3,7 @@
 From user code to the result, a call such as ``torch.add(x, y)`` with a DTensor ``x``:
 
 0. **Modes the user opened** see it first: ``gathered_locally()`` (a torch-function mode:
-   DTensor arguments gathered, the call runs on plain tensors; :mod:`.mixed`), then
+   DTensor arguments gathered, the call runs on plain tensors; :mod:`.gathered`), then
    ``verify()`` and ``scan()`` (dispatch modes; opt-in debugging tools, not part of this
    package's dispatch).
 1. **A tracked view** (:mod:`.tracked_views`) takes the call through its own

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from dtensor_patches._torch.dtensors import dtensor_class, full_tensor
-from dtensor_patches._torch.schemas import tree_leaves, tree_map
+from dtensor_patches.dispatch.gathered import GatherMode
 from dtensor_patches.dispatch.wrappers import WrappedFunction, original_function
 from dtensor_patches.errors import MixedTensorError
 
@@ -310,24 +310,28 @@ def registrations() -> list[WrappedFunction]:
     ]
 
 
-class _GatherMode(torch.overrides.TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        dtensor = dtensor_class()
-        kwargs = kwargs or {}
-        if any(isinstance(v, dtensor) for v in tree_leaves((args, kwargs))):
-            args, kwargs = tree_map(full_tensor, args), tree_map(full_tensor, kwargs)
-        return func(*args, **kwargs)
-
-
 def gathered_locally() -> torch.overrides.TorchFunctionMode:
     """``with dtensor_patches.gathered_locally(): ...``: every DTensor argument of a torch call
-    in the block is gathered (``full_tensor()``, differentiable: its gradient flows back as a
-    reduce-scatter) and the call runs on plain tensors, returning plain tensors.
+    in the block is gathered (its full value, once per block while in use) and the call runs on
+    plain tensors, returning plain tensors.
 
     The second reading of a plain tensor beside a DTensor (``got mixed torch.Tensor and
     DTensor``): the plain tensor is this rank's own data and the DTensor a sharded parameter
     whose full value is wanted, e.g. ``hidden @ lm_head.weight.T`` outside an FSDP2 module.
     For the first reading (the plain tensor is the same on every rank: a causal mask beside
     sharded scores) use ``torch.distributed.tensor.experimental.implicit_replication()``.
+
+    - Gradients flow back as FSDP's do: each rank's gradient of the full value, summed over
+      ranks onto the DTensor's placements (a reduce-scatter for ``Shard``, an all-reduce for
+      ``Replicate`` and ``Partial``).
+    - Writes into a DTensor in the block (in-place methods, ``out=``, ``w[i] = v``,
+      ``_foreach_*_``, an optimizer step, a write through a view taken in the block) are
+      carried into its shards, placements kept; the value written is taken as the same on
+      every rank. Attribute access (``p.grad``) is the DTensor's own.
+
+    Raises (inside the block):
+        PatchError: a write into a DTensor that requires grad while grad mode is on (autograd
+            cannot follow it through the gathered copy), or one that changes its shape;
+            nothing is written to the DTensor then.
     """
-    return _GatherMode()
+    return GatherMode()

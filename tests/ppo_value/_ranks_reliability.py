@@ -130,3 +130,129 @@ def holes_padded_vs_reference(
         "weight_diff": max(float((after[k] - ref_sd[k]).abs().max()) for k in ref_sd),
         "loss_diff": abs(metrics["critic/loss"] - ref_metrics["loss"]),
     }
+
+
+# ------------------------------------------------------------ checkpoint loads (items 8, 9)
+def _groups(worker: ValueWorker) -> str:
+    """The optimizer's parameter groups without their parameters (lr, betas, ...)."""
+    return repr(
+        [{k: v for k, v in g.items() if k != "params"} for g in worker.optimizer.param_groups]
+    )
+
+
+def _other_scheduler_state(kind: str) -> dict[str, Any]:
+    """A plain-data scheduler state of another scheduler (``StepLR``) or of a ``LambdaLR`` over
+    two parameter groups (this worker's optimizer has one)."""
+    params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
+    if kind == "other_scheduler":
+        opt = torch.optim.SGD(params[:1], lr=0.1)
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=3).state_dict()
+    opt = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.1)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0).state_dict()
+
+
+def _craft_metadata(kind: str, dcp_dir: Any, marker: str) -> None:
+    """Write a crafted ``.metadata`` (item 8): a bare pickle that runs code, or the real
+    metadata carrying such an object in ``planner_data``."""
+    import pickle
+
+    from tests.ppo_value._ranks_failures import _RunsCode
+
+    file = dcp_dir / ".metadata"
+    if kind == "metadata_runs_code":
+        file.write_bytes(pickle.dumps(_RunsCode(marker)))
+        return
+    with open(file, "rb") as f:
+        metadata = pickle.load(f)  # the test's own good file
+    metadata.planner_data = {"payload": _RunsCode(marker)}
+    file.write_bytes(pickle.dumps(metadata))
+
+
+def _craft_bytes_item(dcp_dir: Any, marker: str) -> None:
+    """Point the stored bytes of a non-tensor item (``optim.param_groups.0.lr``) at a pickle
+    appended to its shard that runs code when DCP's default planner ``torch.load``s it with
+    ``weights_only=False`` (item 8: any other pickle a load reads)."""
+    import dataclasses
+    import io
+    import pickle
+
+    from tests.ppo_value._ranks_failures import _RunsCode
+
+    file = dcp_dir / ".metadata"
+    with open(file, "rb") as f:
+        metadata = pickle.load(f)
+    buf = io.BytesIO()
+    torch.save(_RunsCode(marker), buf)
+    payload = buf.getvalue()
+    hits = [i for i in metadata.storage_data if i.fqn == "optim.param_groups.0.lr"]
+    assert hits, sorted(i.fqn for i in metadata.storage_data)[:10]
+    for index in hits:
+        info = metadata.storage_data[index]
+        shard = dcp_dir / info.relative_path
+        offset = shard.stat().st_size
+        with open(shard, "ab") as f:
+            f.write(payload)
+        metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload))
+    file.write_bytes(pickle.dumps(metadata))
+
+
+def _corrupt_checkpoint(kind: str, ckpt: Any, marker: str) -> None:
+    if kind in ("other_scheduler", "scheduler_two_groups"):
+        torch.save(
+            {"step": 1, "scheduler": _other_scheduler_state(kind)}, ckpt / "trainer_state.pt"
+        )
+    elif kind == "bad_rng_rank1":
+        torch.save({"cpu": torch.zeros(16, dtype=torch.uint8)}, ckpt / "rng_rank1.pt")
+    elif kind == "float_rng_rank1":
+        torch.save({"cpu": torch.zeros(5056)}, ckpt / "rng_rank1.pt")
+    elif kind in ("metadata_runs_code", "metadata_payload"):
+        _craft_metadata(kind, ckpt / "dcp", marker)
+    elif kind == "bytes_item_runs_code":
+        _craft_bytes_item(ckpt / "dcp", marker)
+    else:
+        raise ValueError(kind)
+
+
+def bad_loads(
+    cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor], root: str, kinds: list[str]
+) -> dict[str, Any]:
+    """Train, save a good checkpoint, train on; then for each kind load a copy of the good
+    checkpoint that rank 0 spoiled. Returns each load's outcome, whether the worker (weights,
+    optimizer state and groups, step, scheduler, RNG) is unchanged and whether code ran; then
+    the values after loading the good checkpoint against those it was saved with."""
+    import os
+    import pathlib
+    import shutil
+
+    torch.set_num_threads(1)
+    cfg = ValueConfig.from_dict(cfg_dict)
+    local = dp_slice(batch, cfg.dp, cfg.tp)
+    rootp = pathlib.Path(root)
+    worker = ValueWorker(cfg)
+    worker.train(local)
+    good = rootp / "good"
+    worker.save_checkpoint(good)
+    saved_values = worker.get_values(local)
+    worker.train(local)
+    results: dict[str, Any] = {}
+    for kind in kinds:
+        ckpt = rootp / kind
+        marker = str(rootp / f"{kind}-code-ran")
+        if dist.get_rank() == 0:
+            shutil.copytree(good, ckpt)
+            _corrupt_checkpoint(kind, ckpt, marker)
+        dist.barrier()
+        before, groups = _snapshot(worker), _groups(worker)
+        outcome = _outcome(lambda ckpt=ckpt: worker.load_checkpoint(ckpt))
+        results[kind] = {
+            "outcome": outcome,
+            "unchanged": _same(before, _snapshot(worker)) and groups == _groups(worker),
+            "code_ran": os.path.exists(marker),
+        }
+        dist.barrier()
+    meta = worker.load_checkpoint(good)
+    results["good"] = {
+        "step": meta["step"],
+        "values_diff": float((worker.get_values(local) - saved_values).abs().max()),
+    }
+    return results

@@ -9,6 +9,7 @@ clear error on every rank, the worker exactly as it was, no code run from a craf
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,3 +125,135 @@ def test_attention_hole_without_packing_runs_as_one_process(pool: RankPool) -> N
     for r in pool.run(rr.holes_padded_vs_reference, _cfg(), batch):
         assert r["values_diff"] < TOL
         assert r["weight_diff"] < TOL and r["loss_diff"] < 1e-6
+
+
+# ------------------------------------------------------------ checkpoint loads (items 8, 9)
+BAD_LOADS = {
+    # kind: (the file the error names, words of the problem)
+    "other_scheduler": ("trainer_state.pt", "does not fit this worker's LambdaLR"),
+    "scheduler_two_groups": ("trainer_state.pt", "2 items != 1"),
+    "bad_rng_rank1": ("rng_rank1.pt", "RNG state cannot be restored"),
+    "float_rng_rank1": ("rng_rank1.pt", "RNG state cannot be restored"),
+    "metadata_runs_code": (".metadata", "refused, no code may run"),
+    "metadata_payload": (".metadata", "global os.makedirs is not allowed"),
+    "bytes_item_runs_code": ("stored item optim.param_groups.0.lr: refused", "weights_only"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_load_results(pool: RankPool, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    root = tmp_path_factory.mktemp("bad-loads")
+    cfg = _cfg(lr=1e-2, warmup_steps=2)
+    return pool.run(rr.bad_loads, cfg, make_batch(4, 6, seed=14), str(root), list(BAD_LOADS))
+
+
+@pytest.mark.parametrize("kind", list(BAD_LOADS))
+def test_bad_checkpoint_load_changes_nothing_on_every_rank(
+    bad_load_results: list[Any], kind: str
+) -> None:
+    """Item 9: another scheduler's ``trainer_state.pt`` raised ``KeyError`` after the weights,
+    optimizer state and groups were overwritten; a bad ``rng_rank1.pt`` raised on rank 1 only,
+    after its state changed, while rank 0 returned. Item 8: a crafted ``.metadata`` or stored
+    bytes item ran code (DCP unpickles both with plain ``pickle``). Now: the same
+    ``CheckpointError`` on every rank naming the file, nothing changed, no code run."""
+    name, problem = BAD_LOADS[kind]
+    per_rank = [r[kind] for r in bad_load_results]
+    for r in per_rank:
+        assert not r["code_ran"], f"{kind}: loading the checkpoint ran code"
+    exc_type, message = _same_error_everywhere([r["outcome"] for r in per_rank])
+    assert exc_type == "CheckpointError", message
+    assert name in message and problem in message, message
+    assert len(message) < 1200, message  # one clear message, not a traceback
+    for r in per_rank:
+        assert r["unchanged"], f"{kind}: the failed load changed the worker"
+
+
+def test_good_checkpoint_still_loads_after_bad_ones(bad_load_results: list[Any]) -> None:
+    for r in bad_load_results:
+        assert r["good"]["step"] == 1
+        assert r["good"]["values_diff"] < TOL
+
+
+class _Calls:
+    """Unpickling this calls ``fn(*args)``: how a crafted pickle runs code."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.call = (fn, args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.call
+
+
+def _crafted(name: str, marker: Path) -> object:
+    import builtins
+    import os
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return {
+        "os.makedirs": _Calls(os.makedirs, str(marker)),
+        "builtins.exec": _Calls(builtins.exec, f"open({str(marker)!r}, 'w').close()"),
+        "builtins.getattr": _Calls(getattr, "x", "upper"),
+        "torch.load": _Calls(torch.load, str(marker)),
+        "torch.save": _Calls(torch.save, 1, str(marker)),
+        "FileSystemReader": _Calls(FileSystemReader, str(marker)),
+    }[name]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.parametrize(
+    "name",
+    [
+        "os.makedirs",
+        "builtins.exec",
+        "builtins.getattr",
+        "torch.load",
+        "torch.save",
+        "FileSystemReader",
+    ],
+)
+def test_metadata_allowlist_refuses_other_globals(tmp_path: Path, name: str) -> None:
+    """Item 8, one process: ``.metadata`` pickles naming a global outside the allowlist (also
+    torch functions and DCP classes that are not metadata records, alone or nested in real
+    metadata) are refused before anything is called."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ppo_value._safe_dcp import UnsafeCheckpointError, read_metadata
+
+    marker = tmp_path / "code-ran"
+    dcp.save({"w": torch.ones(2), "lr": 0.5}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    real = read_metadata(tmp_path / "ok" / ".metadata")  # a real file passes
+    assert "w" in real.state_dict_metadata and "lr" in real.state_dict_metadata
+    for payload in (_crafted(name, marker), real):
+        if payload is real:
+            real.planner_data = {"x": [_crafted(name, marker)]}
+        file = tmp_path / ".metadata"
+        file.write_bytes(pickle.dumps(payload))
+        with pytest.raises(UnsafeCheckpointError, match="is not allowed in DCP metadata"):
+            read_metadata(file)
+        assert not marker.exists()
+
+
+def test_metadata_pickle_may_not_set_attributes_of_an_allowed_class(tmp_path: Path) -> None:
+    """``BUILD`` with a slot state on an allowed class object is ``setattr`` on the class: it
+    is refused and undone (DCP's classes stay as they were)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ppo_value._safe_dcp import UnsafeCheckpointError, read_metadata
+
+    original_eq = Metadata.__eq__
+    file = tmp_path / ".metadata"
+    file.write_bytes(
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n"  # push the class
+        b"N}(X\x07\x00\x00\x00evilkeyK\x01X\x06\x00\x00\x00__eq__ctorch\nSize\nu"
+        b"\x86b."  # BUILD (None, {"evilkey": 1, "__eq__": torch.Size}) on it
+    )
+    with pytest.raises(UnsafeCheckpointError, match="sets attributes of the class"):
+        read_metadata(file)
+    assert not hasattr(Metadata, "evilkey")
+    assert Metadata.__eq__ is original_eq

@@ -1,0 +1,228 @@
+"""``gathered_locally()``'s gradients and writes, and the fallback's plain write targets.
+
+Issue 23, items 1, 3, 2 and 19. Each case runs on a real 2-rank gloo mesh and is compared with
+the same computation on plain single-device tensors (every tensor written, on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtensor_patches.testing import RankPool
+
+
+def _mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _place(t: torch.Tensor, mesh: Any, placement: str) -> Any:
+    """``t`` as a DTensor: ``S0``/``S1``/``R`` by ``distribute_tensor``, ``P`` as shares that
+    differ per rank and sum to ``t``."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from dtensor_patches.reproducers import parse_placement
+
+    p = parse_placement(placement)
+    if isinstance(p, Partial):
+        n = mesh.size()
+        share = t * (dist.get_rank() + 1) * 2 / (n * (n + 1))
+        return DTensor.from_local(share, mesh, [p], run_check=False)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t, mesh, [p])
+
+
+def _same(got: Any, expected: torch.Tensor, what: str) -> str | None:
+    from dtensor_patches.reproducers import compare
+
+    full = got.full_tensor() if hasattr(got, "full_tensor") else got
+    return compare(full, expected, what=what, atol=1e-5)
+
+
+def _problems(pairs: list[tuple[Any, torch.Tensor, str]]) -> list[str]:
+    return [p for got, exp, what in pairs if (p := _same(got, exp, what)) is not None]
+
+
+# ---------------------------------------------------------------- item 1: gradients over ranks
+
+
+def _gradient_case(placement: str, rows: int) -> dict[str, Any]:
+    """``with gathered_locally(): y = h_rank @ w.T``, a different ``h_rank`` on each rank; the
+    gradient of ``w`` is the single-device gradient of ``cat(h_ranks) @ w.T``."""
+    import dtensor_patches
+
+    mesh, rank, world = _mesh(), dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(23)
+    h_all = torch.randn(world * 3, 4, generator=g)
+    w = torch.randn(rows, 4, generator=g)
+    weights = torch.randn(world * 3, rows, generator=g)
+    w_plain = w.clone().requires_grad_()
+    ((h_all @ w_plain.T) * weights).sum().backward()
+    h_rank = h_all[3 * rank : 3 * rank + 3]
+    with dtensor_patches.patched():
+        wd = _place(w.clone(), mesh, placement).requires_grad_()
+        with dtensor_patches.gathered_locally():
+            y = h_rank @ wd.T
+            loss = (y * weights[3 * rank : 3 * rank + 3]).sum()
+        loss.backward()
+    grad = wd.grad
+    problems = _problems([(y, h_rank @ w.T, "y"), (grad, w_plain.grad, "w.grad")])
+    expected_placements = tuple("R" if p.is_partial() else str(p) for p in wd.placements)
+    got_placements = tuple("R" if p.is_replicate() else str(p) for p in grad.placements)
+    if got_placements != expected_placements:
+        problems.append(f"grad placements {grad.placements} for {wd.placements}")
+    # The replicated gradient must be the same on every rank.
+    return {"problems": problems, "local": grad.to_local().clone()}
+
+
+@pytest.mark.parametrize(
+    ("placement", "rows"), [("S0", 6), ("S0", 5), ("S1", 6), ("R", 6), ("P", 6)]
+)
+def test_gathered_locally_sums_gradients_over_ranks(
+    pool2: RankPool, placement: str, rows: int
+) -> None:
+    results = pool2.run(_gradient_case, placement, rows)
+    for rank, row in enumerate(results):
+        assert row["problems"] == [], (rank, row["problems"])
+    if placement in ("R", "P"):
+        torch.testing.assert_close(results[0]["local"], results[1]["local"])
+
+
+def _backward_inside_case() -> list[str]:
+    """``loss.backward()`` inside the block, then an SGD step inside it too."""
+    import dtensor_patches
+
+    mesh, rank, world = _mesh(), dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    h_all, w = torch.randn(world * 2, 4, generator=g), torch.randn(6, 4, generator=g)
+    w_plain = torch.nn.Parameter(w.clone())
+    (h_all @ w_plain.T).square().sum().backward()
+    with torch.no_grad():
+        expected = w_plain - 0.1 * w_plain.grad
+    with dtensor_patches.patched():
+        wd = torch.nn.Parameter(_place(w.clone(), mesh, "S0"))
+        opt = torch.optim.SGD([wd], lr=0.1)
+        with dtensor_patches.gathered_locally():
+            (h_all[2 * rank : 2 * rank + 2] @ wd.T).square().sum().backward()
+            opt.step()
+    return _problems([(wd.grad, w_plain.grad, "w.grad"), (wd, expected, "w after step")])
+
+
+def test_backward_and_step_inside_the_block(pool2: RankPool) -> None:
+    assert pool2.run(_backward_inside_case) == [[], []]
+
+
+# ---------------------------------------------------------------- item 3: writes in the block
+
+_WRITES: dict[str, Callable[[Any, torch.Tensor], Any]] = {
+    "mul_": lambda w, p: w.mul_(0.5),
+    "add_plain": lambda w, p: w.add_(p),
+    "copy_plain": lambda w, p: w.copy_(p),
+    "add_out": lambda w, p: torch.add(p, 1, out=w),
+    "setitem": lambda w, p: w.__setitem__(0, 1.0),
+    "setitem_slice": lambda w, p: w.__setitem__((slice(None), slice(1, 3)), p[:, :2]),
+    "view_fill": lambda w, p: w[1].fill_(7.0),
+    "view_then_read": lambda w, p: (v := w.T, v.mul_(2.0), w.sum())[-1],
+    "chain": lambda w, p: w.mul_(2.0).add_(p),
+    "foreach": lambda w, p: torch._foreach_add_([w], [p], alpha=2.0),
+    "zero_": lambda w, p: w.zero_(),
+}
+
+
+def _write_case(name: str, placement: str, rows: int) -> list[str]:
+    import dtensor_patches
+
+    fn = _WRITES[name]
+    mesh = _mesh()
+    g = torch.Generator().manual_seed(31)
+    w, p = torch.randn(rows, 4, generator=g), torch.randn(rows, 4, generator=g)
+    expected = w.clone()
+    fn(expected, p.clone())
+    with dtensor_patches.patched():
+        wd = _place(w.clone(), mesh, placement)
+        before = tuple(wd.placements)
+        with torch.no_grad(), dtensor_patches.gathered_locally():
+            fn(wd, p.clone())
+            inside = wd.sum()
+    problems = _problems([(wd, expected, "w"), (inside, expected.sum(), "read in the block")])
+    if tuple(wd.placements) != before:
+        problems.append(f"placements {before} -> {wd.placements}")
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(_WRITES))
+def test_writes_inside_the_block_reach_the_shards(pool2: RankPool, name: str) -> None:
+    assert pool2.run(_write_case, name, "S0", 5) == [[], []]
+
+
+@pytest.mark.parametrize("placement", ["S1", "R", "P"])
+def test_writes_inside_the_block_other_placements(pool2: RankPool, placement: str) -> None:
+    for name in ("mul_", "setitem", "add_out"):
+        assert pool2.run(_write_case, name, placement, 6) == [[], []], name
+
+
+def _sgd_case(foreach: bool) -> list[str]:
+    import dtensor_patches
+
+    mesh = _mesh()
+    g = torch.Generator().manual_seed(37)
+    w, grad = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    w_plain = torch.nn.Parameter(w.clone())
+    w_plain.grad = grad.clone()
+    torch.optim.SGD([w_plain], lr=0.1, momentum=0.9, foreach=foreach).step()
+    with dtensor_patches.patched():
+        wd = torch.nn.Parameter(_place(w.clone(), mesh, "S0"))
+        wd.grad = _place(grad.clone(), mesh, "S0")
+        opt = torch.optim.SGD([wd], lr=0.1, momentum=0.9, foreach=foreach)
+        with dtensor_patches.gathered_locally():
+            opt.step()
+    return _problems([(wd, w_plain.detach(), "w after step"), (wd.grad, grad, "grad kept")])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_sgd_step_inside_the_block(pool2: RankPool, foreach: bool) -> None:
+    assert pool2.run(_sgd_case, foreach) == [[], []]
+
+
+def _refused_write_case(kind: str) -> dict[str, Any]:
+    """A differentiable write into a DTensor that requires grad: stock raises for a leaf
+    (``a leaf Variable that requires grad``); here it is refused, nothing written."""
+    import dtensor_patches
+
+    mesh = _mesh()
+    w = torch.arange(10.0).reshape(5, 2)
+    with dtensor_patches.patched():
+        leaf = _place(w.clone(), mesh, "S0").requires_grad_()
+        target = leaf if kind == "leaf" else leaf * 1.0
+        local_before = target.to_local().detach().clone()
+        try:
+            with dtensor_patches.gathered_locally():
+                target.mul_(2.0)
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        unchanged = torch.equal(target.to_local().detach(), local_before)
+    plain_error = None
+    plain = w.clone().requires_grad_()
+    if kind == "leaf":
+        try:
+            plain.mul_(2.0)
+        except RuntimeError as exc:
+            plain_error = str(exc)
+    return {"error": error, "unchanged": unchanged, "plain_error": plain_error}
+
+
+@pytest.mark.parametrize("kind", ["leaf", "non_leaf"])
+def test_differentiable_write_is_refused_clearly(pool2: RankPool, kind: str) -> None:
+    for row in pool2.run(_refused_write_case, kind):
+        assert row["error"] is not None and "gathered_locally()" in row["error"], row
+        assert row["unchanged"], row
+        if kind == "leaf":
+            assert row["plain_error"] is not None and "leaf Variable" in row["error"], row
