@@ -293,16 +293,37 @@ def patched(
     strict: bool = False,
     fallback: str | None = None,
 ) -> Iterator[Report]:
-    """Apply patches for the duration of a ``with`` block, then restore the previous state.
+    """Run a ``with`` block with exactly the selected patches applied, then restore the state
+    found on entry.
 
-    Only the patches this block applied are reverted on exit; ones applied before it stay.
-    The fallback mode before the block is restored too (and the mode a later argument-less
-    ``apply_all()`` keeps).
+    The block sees the patches ``apply_all(only=..., exclude=...)`` selects: a patch applied
+    before the block that ``exclude=`` names (or ``only=`` leaves out) is reverted for the
+    block and applied again on exit, so ``patched(exclude=["x"])`` means "without ``x``"
+    whatever was applied earlier. Patches the block applied are reverted on exit; ones applied
+    before it stay. The fallback mode before the block is restored too (and the mode a later
+    argument-less ``apply_all()`` keeps).
+
+    Raises:
+        ValueError, TypeError: as :func:`apply_all` (nothing changed).
+        PatchError: as :func:`apply_all` with ``strict=True`` (the patches reverted for the
+            block are applied again first).
     """
+    only_set, exclude_set = _selection(only, exclude)
     with state.LOCK:
         mode_before = _fallback.mode()
         choice_before = state.FALLBACK_CHOICE.get("mode")
-    report = apply_all(only=only, exclude=exclude, strict=strict, fallback=fallback)
+        left_out = [
+            p
+            for p in _applied_patches()
+            if p.name in exclude_set or (only_set is not None and p.name not in only_set)
+        ]
+        for patch in reversed(left_out):
+            patch.revert()
+    try:
+        report = apply_all(only=only, exclude=exclude, strict=strict, fallback=fallback)
+    except BaseException:
+        _reapply(left_out)
+        raise
     try:
         yield report
     finally:
@@ -311,3 +332,11 @@ def patched(
             _restore_choice(choice_before)
             for name in reversed(report.applied):
                 get(name).revert()
+            _reapply(left_out)
+
+
+def _reapply(patches: list[Patch]) -> None:
+    """Apply again, oldest first, the patches a ``patched()`` block took out for its duration."""
+    with state.LOCK:
+        for patch in patches:
+            patch.apply()
