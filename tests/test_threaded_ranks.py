@@ -9,12 +9,18 @@ that harness, with every patch applied, and compare with plain tensors.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorOpTestBase
 
 import dtensor_patches
+from dtensor_patches import registry
+
+# torch 2.10 and 2.11 dispatch DTensor subclasses in C++, so `view_writes` is gated out there
+# and `x[1:3] = v` of a sharded dim is lost as on stock torch (docs/known-gaps.md, issue 18).
+_VIEW_WRITES_LOST = not registry.get("view_writes").applies_to()
 
 
 class ThreadedRanksUnderPatches(DTensorOpTestBase):
@@ -30,6 +36,9 @@ class ThreadedRanksUnderPatches(DTensorOpTestBase):
         super().tearDown()
         dtensor_patches.revert_all()
 
+    @pytest.mark.xfail(
+        _VIEW_WRITES_LOST, reason="writes through redistributed views are lost here", strict=True
+    )
     def test_select_slices_and_inplace_writes(self) -> None:
         mesh = init_device_mesh("cpu", (self.world_size,))
         full = torch.arange(24.0).reshape(4, 6)
