@@ -226,3 +226,93 @@ def test_differentiable_write_is_refused_clearly(pool2: RankPool, kind: str) -> 
         assert row["unchanged"], row
         if kind == "leaf":
             assert row["plain_error"] is not None and "leaf Variable" in row["error"], row
+
+
+# ---------------------------------------------------------------- item 2: plain write targets
+
+
+def _plain_call(name: str, a: dict[str, Any], t: dict[str, torch.Tensor]) -> None:
+    """The call ``name`` on the inputs ``a``, writing the plain targets ``t``."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    if name == "aminmax_0dim":
+        torch.aminmax(a["x"], out=(t["mn"], t["mx"]))
+    elif name == "renorm_x11":
+        torch.renorm(a["x11"], 2, 0, 1.0, out=t["out11"])
+    elif name == "renorm_view_out":
+        torch.renorm(a["x"], 2, 0, 1.0, out=t["base"][1:5])
+    elif name == "renorm_implicit":
+        with implicit_replication():
+            torch.renorm(a["x"], 2, 0, 1.0, out=t["out"])
+    elif name == "renorm_view_implicit":
+        with implicit_replication():
+            torch.renorm(a["x"], 2, 0, 1.0, out=t["base"][1:5])
+    elif name == "addr_implicit":
+        with implicit_replication():
+            t["out"].addr_(a["v1"], a["v2"])
+    elif name == "addr_view_implicit":
+        with implicit_replication():
+            t["base"][2:].addr_(a["v1"], a["v2"])
+    else:
+        raise AssertionError(name)
+
+
+def _plain_target_case(name: str) -> dict[str, Any]:
+    """A fallback call that writes plain tensors (``out=``, ``self``), compared with the single
+    device: either every plain target (the base of a view target included) holds its values,
+    or the call raised and every target is as it was."""
+    import dtensor_patches
+
+    mesh = _mesh()
+    g = torch.Generator().manual_seed(41)
+    x, x11 = torch.randn(4, 3, generator=g) * 2, torch.randn(1, 1, generator=g) * 3
+    v1, v2 = torch.randn(4, generator=g), torch.randn(3, generator=g)
+    targets = {
+        "mn": torch.zeros(()),
+        "mx": torch.zeros(()),
+        "out11": torch.zeros(1, 1),
+        "out": torch.randn(4, 3, generator=g),
+        "base": torch.randn(6, 3, generator=g),
+    }
+    expected = {k: v.clone() for k, v in targets.items()}
+    _plain_call(name, {"x": x, "x11": x11, "v1": v1, "v2": v2}, expected)
+    with dtensor_patches.patched():
+        inputs = {
+            "x": _place(x.clone(), mesh, "S0"),
+            "x11": _place(x11.clone(), mesh, "S0"),
+            "v1": _place(v1.clone(), mesh, "S0"),
+            "v2": _place(v2.clone(), mesh, "S0"),
+        }
+        got = {k: v.clone() for k, v in targets.items()}
+        try:
+            _plain_call(name, inputs, got)
+            error = None
+        except RuntimeError as exc:
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    if error is not None:
+        changed = [k for k in targets if not torch.equal(got[k], targets[k])]
+        return {"error": error, "problems": [f"{k} changed by a failed call" for k in changed]}
+    return {"error": None, "problems": _problems([(got[k], expected[k], k) for k in targets])}
+
+
+_PLAIN_TARGETS = [
+    "aminmax_0dim",
+    "renorm_x11",
+    "renorm_view_out",
+    "renorm_implicit",
+    "renorm_view_implicit",
+    "addr_implicit",
+    "addr_view_implicit",
+]
+
+
+@pytest.mark.parametrize("name", _PLAIN_TARGETS)
+def test_fallback_writes_plain_targets(pool2: RankPool, name: str) -> None:
+    rows = pool2.run(_plain_target_case, name)
+    for row in rows:
+        assert row["problems"] == [], row
+    # The same outcome on every rank.
+    assert rows[0]["error"] == rows[1]["error"], rows
+    if name.endswith("implicit") or name == "renorm_x11":
+        # A plain tensor taken as replicated: the single-device values, no error.
+        assert rows[0]["error"] is None, rows

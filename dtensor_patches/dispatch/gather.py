@@ -122,13 +122,14 @@ def _gather(value: Any) -> tuple[Any, int]:
 
 def _scratch(original: Any, full: Any, targets: list[tuple[Any, torch.Tensor]]) -> Any:
     """Copies of a written argument's full tensors (a tensor or a list of them) for the op to
-    write into; each DTensor among them is recorded in ``targets`` with its copy."""
+    write into; each tensor among them (a DTensor, or a plain ``out=``/``self`` tensor) is
+    recorded in ``targets`` with its copy."""
     if isinstance(full, (list, tuple)):
         return type(full)(_scratch(o, f, targets) for o, f in zip(original, full, strict=True))
     if not isinstance(full, torch.Tensor):
         return full
     copy = full.clone()
-    if isinstance(original, dtensor_class()):
+    if isinstance(original, torch.Tensor):
         targets.append((original, copy))
     return copy
 
@@ -193,6 +194,16 @@ def _with_scratch_targets(
 def _write_back(
     op: Any, targets: list[tuple[Any, torch.Tensor]], error: BaseException | None
 ) -> None:
+    """Write every target: a DTensor gets this rank's shard of its full result, a plain tensor
+    the full result itself (it is read as the same on every rank, as a plain argument is; an
+    ``out=`` one is resized as ``out=`` resizes). Checks and shards first, writes last.
+
+    Raises:
+        PatchError: a DTensor target whose shape the op changed (nothing written).
+    """
+    dtensor = dtensor_class()
+    plain = [(t, c) for t, c in targets if not isinstance(t, dtensor)]
+    targets = [(t, c) for t, c in targets if isinstance(t, dtensor)]
     for target, copy in targets:
         if tuple(copy.shape) != tuple(target.shape):
             # resize_ and friends: a DTensor's global shape cannot change in place.
@@ -206,6 +217,10 @@ def _write_back(
     ]
     for target, shard in shards:
         local_tensor(target).copy_(shard)
+    for target, copy in plain:
+        if target.shape != copy.shape:
+            target.resize_(copy.shape)
+        target.copy_(copy)
 
 
 def run_gathered(
