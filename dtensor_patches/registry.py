@@ -177,8 +177,12 @@ def apply_all(
 ) -> Report:
     """Apply every registered patch whose gate includes the running torch.
 
-    Idempotent (a second call reports ``already applied`` and changes nothing) and safe to
-    call from several threads at once. Never overrides a strategy torch already has, unless
+    Idempotent (a second call reports ``already applied`` and changes nothing, the fallback
+    mode included: a call without ``fallback=`` keeps the mode an earlier call chose) and safe
+    to call from several threads at once, and while other threads run DTensor ops that
+    communicate on no path (ops that communicate must not run meanwhile: the patch state
+    decides which collectives they make, and ranks that disagree stop pairing; see
+    ``docs/known-gaps.md``). Never overrides a strategy torch already has, unless
     the patch is a wrong-result fix that exists to replace it. Each patch is all-or-nothing:
     a patch that fails leaves torch's registry exactly as it was.
 
@@ -191,7 +195,8 @@ def apply_all(
             :mod:`dtensor_patches.dispatch.fallback`): ``"warn"`` (the default: it runs on
             gathered inputs, logged once per op and placements, counted in
             ``dtensor_patches.fallback_report()``), ``"error"`` (a ``PatchError`` naming the op
-            and the placements) or ``"off"`` (torch's own error).
+            and the placements) or ``"off"`` (torch's own error). ``None`` keeps the mode an
+            earlier ``apply_all()`` chose (since the last ``revert_all()``), else ``"warn"``.
             ``DTENSOR_PATCHES_FALLBACK`` overrides it.
 
     Returns:
@@ -203,8 +208,10 @@ def apply_all(
         PatchError: ``strict=True`` and a patch failed.
     """
     chosen, excluded = _selection(only, exclude)
-    fallback_mode = _fallback.resolve_mode(fallback)
+    _fallback.resolve_mode(fallback)  # an unknown mode raises before anything changes
     with state.LOCK:
+        choice_before = state.FALLBACK_CHOICE.get("mode")
+        fallback_mode = _fallback.resolve_mode(fallback, choice_before)
         mode_before = _fallback.mode()
         disabled = _disabled_by_env()
         outcomes: list[Outcome] = []
@@ -226,10 +233,13 @@ def apply_all(
         fallback_error = _install_fallback(fallback_mode)
         if fallback_error is not None:
             failures.insert(0, fallback_error)
+        else:
+            state.FALLBACK_CHOICE["mode"] = fallback_mode
         if strict and failures:
             for patch in reversed(newly_applied):
                 patch.revert()
             _install_fallback(mode_before)
+            _restore_choice(choice_before)
             raise PatchError("strict apply_all failed, nothing applied: " + "; ".join(failures))
         log.info("%s", report)
         return report
@@ -245,6 +255,14 @@ def _install_fallback(mode: str) -> str | None:
     return None
 
 
+def _restore_choice(choice: str | None) -> None:
+    """Put back the fallback mode an argument-less ``apply_all()`` keeps (``None``: none)."""
+    if choice is None:
+        state.FALLBACK_CHOICE.pop("mode", None)
+    else:
+        state.FALLBACK_CHOICE["mode"] = choice
+
+
 def _applied_patches() -> list[Patch]:
     """The applied patches, oldest first (the ledger's one record)."""
     return [owner for owner in state.LEDGER.applied() if isinstance(owner, Patch)]
@@ -254,10 +272,12 @@ def revert_all() -> list[str]:
     """Revert every applied patch, newest first, and switch the fallback off.
 
     Restores the exact registry entries that existed before and clears the propagation caches.
-    Returns the names reverted.
+    Forgets the fallback mode chosen before: the next argument-less ``apply_all()`` uses
+    ``"warn"`` again. Returns the names reverted.
     """
     with state.LOCK:
         _fallback.uninstall()
+        state.FALLBACK_CHOICE.pop("mode", None)
         reverted = []
         for patch in reversed(_applied_patches()):
             if patch.revert():
@@ -273,17 +293,50 @@ def patched(
     strict: bool = False,
     fallback: str | None = None,
 ) -> Iterator[Report]:
-    """Apply patches for the duration of a ``with`` block, then restore the previous state.
+    """Run a ``with`` block with exactly the selected patches applied, then restore the state
+    found on entry.
 
-    Only the patches this block applied are reverted on exit; ones applied before it stay.
-    The fallback mode before the block is restored too.
+    The block sees the patches ``apply_all(only=..., exclude=...)`` selects: a patch applied
+    before the block that ``exclude=`` names (or ``only=`` leaves out) is reverted for the
+    block and applied again on exit, so ``patched(exclude=["x"])`` means "without ``x``"
+    whatever was applied earlier. Patches the block applied are reverted on exit; ones applied
+    before it stay. The fallback mode before the block is restored too (and the mode a later
+    argument-less ``apply_all()`` keeps).
+
+    Raises:
+        ValueError, TypeError: as :func:`apply_all` (nothing changed).
+        PatchError: as :func:`apply_all` with ``strict=True`` (the patches reverted for the
+            block are applied again first).
     """
-    mode_before = _fallback.mode()
-    report = apply_all(only=only, exclude=exclude, strict=strict, fallback=fallback)
+    only_set, exclude_set = _selection(only, exclude)
+    with state.LOCK:
+        mode_before = _fallback.mode()
+        choice_before = state.FALLBACK_CHOICE.get("mode")
+        left_out = [
+            p
+            for p in _applied_patches()
+            if p.name in exclude_set or (only_set is not None and p.name not in only_set)
+        ]
+        for patch in reversed(left_out):
+            patch.revert()
+    try:
+        report = apply_all(only=only, exclude=exclude, strict=strict, fallback=fallback)
+    except BaseException:
+        _reapply(left_out)
+        raise
     try:
         yield report
     finally:
         with state.LOCK:
             _fallback.install(mode_before)
+            _restore_choice(choice_before)
             for name in reversed(report.applied):
                 get(name).revert()
+            _reapply(left_out)
+
+
+def _reapply(patches: list[Patch]) -> None:
+    """Apply again, oldest first, the patches a ``patched()`` block took out for its duration."""
+    with state.LOCK:
+        for patch in patches:
+            patch.apply()

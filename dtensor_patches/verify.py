@@ -4,10 +4,13 @@ Every DTensor call inside the block (forward and backward, at the top of dispatc
 twice: as DTensor runs it, and as the same op on the full plain tensors (every DTensor input
 gathered, ``Partial`` inputs reduced). The DTensor result's full value, shape and dtype must
 equal the plain one: integers, bools and indices exactly, floating values within
-``atol``/``rtol``. In-place and ``out=`` ops are judged by the tensor they wrote, views by
-their full value, ``Partial`` results by their reduced value, multi-output ops output by
-output; ``aten._local_scalar_dense`` (``.item()``, ``tolist()``, ``int()``, ``float()``) by the
-Python number. Every DTensor the call touched must also still be self-consistent: its local
+``atol``/``rtol``. In-place and ``out=`` ops are judged by the tensor they wrote, and where
+that tensor is a view of another DTensor (its *base*), by the base too: a write that the view
+kept and its base lost is a mismatch. A view's value in the reference is its place in its
+base's current value (as on one device), so a view that holds a stale copy of its base is
+found too (issue 23, item 17). Views are judged by their full value, ``Partial`` results by
+their reduced value, multi-output ops output by output; ``aten._local_scalar_dense``
+(``.item()``, ``tolist()``, ``int()``, ``float()``) by the Python number. Every DTensor the call touched must also still be self-consistent: its local
 shape is the one its spec implies (a strategy that writes into its input's spec breaks that).
 
 Random ops (``dropout``, ``rand_like``…) run unchecked and are counted as such, and so are ops
@@ -24,6 +27,7 @@ import functools
 import os
 import re
 import traceback
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +39,7 @@ import torch
 from dtensor_patches import state
 from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.dtensors import (
+    base_of,
     dtensor_class,
     full_value,
     local_shape_and_offset,
@@ -42,8 +47,18 @@ from dtensor_patches._torch.dtensors import (
     spec_shape,
 )
 from dtensor_patches._torch.modes import current_autograd_node, dispatch_mode_class
-from dtensor_patches._torch.schemas import tree_leaves, tree_map, written_positions
+from dtensor_patches._torch.schemas import (
+    argument_names,
+    is_view_op,
+    tree_leaves,
+    tree_map,
+    written_positions,
+)
+from dtensor_patches._torch.versions import view_geometry_is_global
 from dtensor_patches.dispatch.miss_rules import FALLBACK_DECISION, watch_decisions
+from dtensor_patches.dispatch.shards import in_layout_of
+from dtensor_patches.dispatch.tracked_views import region_in, view_record
+from dtensor_patches.errors import LostWriteError
 
 __all__ = ["Mismatch", "VerifyError", "VerifyReport", "verify"]
 
@@ -253,6 +268,92 @@ class _Checker:
         self.rtol = rtol
         self.raise_on_mismatch = raise_on_mismatch
         self.report = VerifyReport()
+        # Views made inside the block: id(view) -> (weakref to it, its view record).
+        self._views: dict[
+            int, tuple[Any, tuple[Any, Any, tuple[Any, ...], dict[str, Any], int | None]]
+        ] = {}
+
+    def _record_of(self, value: Any) -> Any:
+        """How the DTensor ``value`` was made from another one, if known: a tracked view's
+        record, or the view op this block saw make it."""
+        record = view_record(value)
+        if record is not None:
+            return record
+        entry = self._views.get(id(value))
+        if entry is not None and entry[0]() is value:
+            return entry[1]
+        return None
+
+    def _note_view(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        dtensor = dtensor_class()
+        if not (args and isinstance(args[0], dtensor) and is_view_op(func)):
+            return
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        for i, view in enumerate(outs):
+            if isinstance(view, dtensor) and view is not args[0]:
+                index = i if isinstance(out, (list, tuple)) else None
+                record = (args[0], func, tuple(args[1:]), dict(kwargs), index)
+                key = id(view)
+                # The entry goes with the view (ids are reused once it is gone).
+                ref = weakref.ref(view, lambda _, key=key: self._views.pop(key, None))
+                self._views[key] = (ref, record)
+
+    def _base_of(self, view: Any) -> tuple[Any, Any] | None:
+        """``(base, place)``: the DTensor ``view`` is a view of (its chain followed to the
+        first one whose making is unknown) and a function giving ``view``'s place in the plain
+        full value of that base; ``None`` when ``view`` is no known view of another DTensor."""
+        dtensor = dtensor_class()
+        records = []
+        node = view
+        while (record := self._record_of(node)) is not None:
+            records.append(record)
+            node = record[0]
+        geometry = None
+        base = base_of(node) if isinstance(node, torch.Tensor) else None
+        if (
+            isinstance(base, dtensor)
+            and base is not node
+            and base.dtype == node.dtype
+            and view_geometry_is_global()
+        ):
+            # From 2.10 a DTensor view reports its global place in its base.
+            geometry = (
+                tuple(node.shape),
+                node.stride(),
+                node.storage_offset() - base.storage_offset(),
+            )
+            node = base
+        if not records and geometry is None:
+            return None
+
+        def place(full: torch.Tensor) -> torch.Tensor:
+            region = full
+            if geometry is not None:
+                region = region.as_strided(*geometry)
+            for record in reversed(records):
+                region = region_in(region, record)
+            return region
+
+        return node, place
+
+    def _view_reference(self, x: Any) -> tuple[Any, Any, torch.Tensor, torch.Tensor] | None:
+        """For a DTensor input that is a view: ``(base, place, base full value, the view's
+        value in it)``, computed before the call; ``None`` when it is no view or its place
+        cannot be found."""
+        found = self._base_of(x)
+        if found is None:
+            return None
+        base, place = found
+        full = in_layout_of(base, full_value(base))
+        try:
+            region = place(full)
+        except (RuntimeError, LostWriteError, IndexError):
+            return None
+        if tuple(region.shape) != tuple(x.shape):
+            return None
+        return base, place, full, region.clone()
 
     def _path(self, op: Any, decisions: list[tuple[Any, Any]]) -> tuple[str, str | None]:
         directory = torch_tables.tables()
@@ -287,10 +388,16 @@ class _Checker:
         reference: tuple[Any, Any] | None = None
         if random:
             self.report.unchecked[f"random: {name}"] += 1
-        else:
+        views: dict[int, tuple[Any, Any, torch.Tensor, torch.Tensor]] = {}
+        if not random:
+            for x in flat_in:
+                if id(x) not in views:
+                    found = self._view_reference(x)
+                    if found is not None:
+                        views[id(x)] = found
             reference = tree_map(
                 lambda x: (
-                    full_value(x)
+                    (views[id(x)][3].clone() if id(x) in views else full_value(x))
                     if isinstance(x, dtensor)
                     else (x.clone() if isinstance(x, torch.Tensor) else x)
                 ),
@@ -298,6 +405,7 @@ class _Checker:
             )
         with watch_decisions() as decisions:
             out = func(*args, **kwargs)
+        self._note_view(func, args, kwargs, out)
         path, patch = self._path(func, decisions)
         if path == "patched":
             self.report.patched[patch or "?"] += 1
@@ -309,7 +417,7 @@ class _Checker:
             return out
         where = f"patched: {patch}" if patch else path
         outputs = tuple(_describe(x) for x in tree_leaves(out))
-        problem = self._check(func, name, args, out, reference, flat_in)
+        problem = self._check(func, name, (args, kwargs), out, reference, flat_in, views)
         if problem is not None:
             text, diff = problem
             mismatch = Mismatch(name, phase, where, text, diff, inputs, outputs, _source(phase))
@@ -322,11 +430,13 @@ class _Checker:
         self,
         func: Any,
         name: str,
-        args: tuple[Any, ...],
+        called: tuple[tuple[Any, ...], dict[str, Any]],
         out: Any,
         reference: tuple[Any, Any],
         flat_in: list[Any],
+        views: dict[int, tuple[Any, Any, torch.Tensor, torch.Tensor]],
     ) -> tuple[str, float | None] | None:
+        args, kwargs = called
         dtensor = dtensor_class()
         for i, x in enumerate(flat_in):
             problem = _spec_problem(x)
@@ -354,11 +464,25 @@ class _Checker:
             self.report.unchecked[f"uninitialised: {name}"] += 1
             return None
         written = written_positions(func)
+        names = argument_names(func)
+        written_views: list[tuple[str, Any, Any]] = []
         for i in written:
-            if i < len(args) and isinstance(args[i], torch.Tensor):
-                problem = _compare(args[i], full_args[i], self.atol, self.rtol)
-                if problem is not None:
-                    return (f"written argument {i}: {problem[0]}", problem[1])
+            if i < len(args):
+                got_w, want_w, label = args[i], full_args[i], f"written argument {i}"
+            elif names[i] in kwargs:
+                got_w, want_w = kwargs[names[i]], full_kwargs[names[i]]
+                label = f"written argument {names[i]}="
+            else:
+                continue
+            if not isinstance(got_w, torch.Tensor):
+                continue  # lists of written tensors (``_foreach_*_``): judged by their outputs
+            problem = _compare(got_w, want_w, self.atol, self.rtol)
+            if problem is not None:
+                return (f"{label}: {problem[0]}", problem[1])
+            written_views.append((label, got_w, want_w))
+        problem = _base_problem(self, written_views, views)
+        if problem is not None:
+            return problem
         got_leaves = tree_leaves(out)
         want_leaves = tree_leaves(expected)
         if len(got_leaves) != len(want_leaves):
@@ -369,6 +493,34 @@ class _Checker:
                 label = f"output {i}: " if len(got_leaves) > 1 else ""
                 return label + problem[0], problem[1]
         return None
+
+
+def _base_problem(
+    checker: _Checker,
+    written: list[tuple[str, Any, Any]],
+    views: dict[int, tuple[Any, Any, torch.Tensor, torch.Tensor]],
+) -> tuple[str, float | None] | None:
+    """Each written tensor ``(label, DTensor, single-device value)`` that is a view: its base
+    must now hold the base's value before the call with the places of every written view of
+    it replaced by their single-device values (two views of one base written by one call both
+    land: ``aminmax(y, 0, out=(x[0], x[1]))``)."""
+    expected: dict[int, tuple[Any, torch.Tensor, list[str]]] = {}
+    for label, tensor, value in written:
+        if id(tensor) not in views or not isinstance(value, torch.Tensor):
+            continue
+        base, place, before, _ = views[id(tensor)]
+        entry = expected.setdefault(id(base), (base, before.clone(), []))
+        place(entry[1]).copy_(value)
+        entry[2].append(label)
+    for base, want, labels in expected.values():
+        problem = _compare(base, want, checker.atol, checker.rtol)
+        if problem is not None:
+            return (
+                f"{', '.join(labels)} (a view): its base {list(base.shape)} "
+                f"{tuple(base.placements)}: {problem[0]}",
+                problem[1],
+            )
+    return None
 
 
 @functools.cache

@@ -19,9 +19,13 @@ rank raises the same :class:`CheckpointError` at once instead of the others bloc
 process-group timeout.
 
 A load validates everything before it changes anything: the files are present and readable,
-``.pt`` files are read with ``torch.load(weights_only=True)`` (no code runs from a crafted
-file), ``meta.json`` is valid, and the checkpoint's model (architecture and parameter names and
-shapes) equals the one it is loaded into. The DCP shards are then read into fresh buffers and
+``.pt`` files are read with ``torch.load(weights_only=True)`` and DCP's pickled ``.metadata``
+and stored non-tensor items through :mod:`ppo_value._safe_dcp` (an allowlist of DCP's
+metadata classes, ``weights_only=True``), so no code runs from a crafted file; ``meta.json``
+is valid, the scheduler state loads into this scheduler and every rank's
+RNG state into a probe generator, and the checkpoint's model (architecture and parameter names
+and shapes) equals the one it is loaded into; every rank agrees on the outcome, so a bad file
+is the same :class:`CheckpointError` on every rank. The DCP shards are then read into fresh buffers and
 copied into the model and optimizer only when every read succeeded, so a failed load leaves
 the worker exactly as it was.
 """
@@ -49,6 +53,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ppo_value._agree import agree, describe
+from ppo_value._safe_dcp import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    read_metadata,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,25 +249,117 @@ def _read_trainer_state(src: Path) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"{file}: missing")
     trainer = _load_plain(file)
+    step = trainer.get("step") if isinstance(trainer, dict) else None
     if (
         not isinstance(trainer, dict)
-        or not isinstance(trainer.get("step"), int)
+        or not isinstance(step, int)
+        or isinstance(step, bool)
+        or step < 0
         or not isinstance(trainer.get("scheduler"), dict)
     ):
         raise CheckpointError(
-            f"{file}: expected {{'step': int, 'scheduler': dict}}, got "
+            f"{file}: expected {{'step': int >= 0, 'scheduler': dict}}, got "
             f"{sorted(trainer) if isinstance(trainer, dict) else type(trainer).__name__}"
         )
     return trainer
 
 
+def _kind(value: Any) -> str:
+    """The kind of a plain state value, for comparing two scheduler states' structure."""
+    if value is None or isinstance(value, bool | str | dict | torch.Tensor):
+        return type(value).__name__ if value is not None else "None"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, list | tuple):
+        return "list"
+    return type(value).__name__
+
+
+def _structure_diff(saved: Any, here: Any, where: str) -> list[str]:
+    """Where ``saved`` does not have the structure of ``here``: the same dict keys, the same
+    kinds of values (numbers, bools, strings, None, tensors), the same list lengths."""
+    if _kind(saved) != _kind(here):
+        return [f"{where}: {_kind(saved)} != {_kind(here)}"]
+    if isinstance(here, dict):
+        missing = sorted(map(str, set(here) - set(saved)))
+        extra = sorted(map(str, set(saved) - set(here)))
+        diff = []
+        if missing:
+            diff.append(f"{where}: keys missing {missing}")
+        if extra:
+            diff.append(f"{where}: unexpected keys {extra}")
+        for key in sorted(set(here) & set(saved), key=str):
+            diff += _structure_diff(saved[key], here[key], f"{where}[{key!r}]")
+        return diff
+    if isinstance(here, list | tuple):
+        if len(saved) != len(here):
+            return [f"{where}: {len(saved)} items != {len(here)}"]
+        diff = []
+        for i, (a, b) in enumerate(zip(saved, here, strict=True)):
+            diff += _structure_diff(a, b, f"{where}[{i}]")
+        return diff
+    return []
+
+
+def _check_scheduler_state(
+    file: Path, state: dict[str, Any], scheduler: torch.optim.lr_scheduler.LRScheduler
+) -> None:
+    """Refuse a scheduler state this ``scheduler`` cannot load as it is: another scheduler's
+    (other keys), or one of another number of parameter groups, then load it into a probe
+    copy (the optimizer shared, not changed; the rest copied), so that the real load after
+    the model and optimizer changed cannot fail (issue 23 item 9: a ``StepLR`` state raised
+    ``KeyError`` in ``LambdaLR.load_state_dict`` after the weights were overwritten).
+
+    Raises:
+        CheckpointError: naming ``file``, the scheduler class and the differences.
+    """
+    name = type(scheduler).__name__
+    diff = _structure_diff(state, scheduler.state_dict(), "scheduler")
+    if diff:
+        raise CheckpointError(
+            f"{file}: the scheduler state does not fit this worker's {name} "
+            f"(checkpoint != worker): {'; '.join(diff[:4])}"
+        )
+    probe = copy.copy(scheduler)
+    probe.__dict__ = {
+        k: v if k == "optimizer" else copy.deepcopy(v) for k, v in scheduler.__dict__.items()
+    }
+    try:
+        probe.load_state_dict(copy.deepcopy(state))
+        probe.get_last_lr()
+    except Exception as exc:
+        raise CheckpointError(
+            f"{file}: the scheduler state cannot be loaded into this worker's {name} "
+            f"({describe(exc)})"
+        ) from exc
+
+
 def _read_rng(src: Path) -> dict[str, Any] | None:
+    """This rank's RNG state, checked by restoring it into probe generators (a state torch
+    would refuse raised on this rank only, after the rest of the worker had changed)."""
     file = src / f"rng_rank{_rank()}.pt"
     if not file.is_file():
         return None
     rng = _load_plain(file)
     if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor):
         raise CheckpointError(f"{file}: expected {{'cpu': tensor, ...}} RNG state")
+    if "cuda" in rng and not isinstance(rng["cuda"], torch.Tensor):
+        raise CheckpointError(f"{file}: the 'cuda' RNG state is not a tensor")
+    try:
+        torch.Generator(device="cpu").set_state(rng["cpu"])
+    except Exception as exc:
+        raise CheckpointError(
+            f"{file}: the 'cpu' RNG state cannot be restored ({describe(exc)})"
+        ) from exc
+    if "cuda" in rng and torch.cuda.is_available():
+        # what torch.cuda.set_rng_state checks: a byte tensor of the current state's size
+        # (not probed on a CUDA generator: the CI machines have no GPU to test that on)
+        cur, new = torch.cuda.get_rng_state(), rng["cuda"]
+        if new.dtype != cur.dtype or new.numel() != cur.numel():
+            raise CheckpointError(
+                f"{file}: the 'cuda' RNG state cannot be restored (expected a {cur.dtype} "
+                f"tensor of {cur.numel()} elements, got {new.dtype} of {new.numel()})"
+            )
     return rng
 
 
@@ -284,7 +386,9 @@ def _check_model_tensors(src: Path, model_sd: Mapping[str, Any]) -> None:
     if not file.is_file():
         raise CheckpointError(f"{file}: missing")
     try:
-        metadata = dcp.FileSystemReader(str(src / "dcp")).read_metadata()
+        metadata = read_metadata(file)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(f"{file}: refused, no code may run from a checkpoint: {exc}") from exc
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"{file}: unreadable ({describe(exc)})") from exc
     saved = {
@@ -314,6 +418,17 @@ def _check_model_tensors(src: Path, model_sd: Mapping[str, Any]) -> None:
         )
 
 
+def _dcp_failure(exc: CheckpointException) -> str:
+    """The first rank's error of a DCP ``CheckpointException`` in one line (its own text is
+    every rank's traceback), and the ranks that failed."""
+    failures = dict(getattr(exc, "failures", None) or {})
+    if not failures:
+        return describe(exc)
+    first = failures[min(failures)]
+    error = first[0] if isinstance(first, tuple) else first
+    return f"{describe(error)} (DCP failed on ranks {sorted(failures)})"
+
+
 def _fresh_buffers(obj: Any) -> Any:
     """Same structure with new, uninitialised tensors (DTensors keep their placements)."""
     if isinstance(obj, torch.Tensor):
@@ -339,7 +454,8 @@ def load_checkpoint(
 
     Validates first (files present and readable, ``.pt`` files as plain data with
     ``weights_only=True``, ``meta.json``, the model's architecture and parameter names and
-    global shapes), then reads the DCP shards into fresh buffers (transiently one more copy of
+    global shapes, a scheduler state this ``scheduler`` loads, an RNG state torch restores),
+    on every rank, then reads the DCP shards into fresh buffers (transiently one more copy of
     this rank's model and optimizer shards), and only then restores model and optimizer
     (resharded to the current mesh), scheduler, and this rank's RNG state when the checkpoint
     has one for this rank.
@@ -371,6 +487,7 @@ def load_checkpoint(
     def validate() -> None:
         found["meta"] = _read_meta(src)
         found["trainer"] = _read_trainer_state(src)
+        _check_scheduler_state(src / _TRAINER, found["trainer"]["scheduler"], scheduler)
         found["rng"] = _read_rng(src)
         if architecture is not None:
             _check_architecture(src, found["meta"], architecture)
@@ -384,7 +501,17 @@ def load_checkpoint(
     state = {"model": _fresh_buffers(model_sd), "optim": _fresh_buffers(optim_sd)}
 
     def read_shards() -> None:
-        dcp.load(state, checkpoint_id=str(src / "dcp"))
+        # metadata through the allowlist, stored bytes items with weights_only=True: DCP's
+        # own reader and planner unpickle both without restriction (issue 23 item 8)
+        try:
+            dcp.load(
+                state,
+                checkpoint_id=str(src / "dcp"),
+                storage_reader=SafeFileSystemReader(src / "dcp"),
+                planner=SafeLoadPlanner(),
+            )
+        except CheckpointException as exc:
+            raise CheckpointError(_dcp_failure(exc)) from exc
 
     try:
         _step(f"load_checkpoint: reading {src / 'dcp'}", read_shards)

@@ -145,7 +145,8 @@ class ValueWorker:
         sizes = (0, 0)
         try:
             size = check_micro_batch_size(micro, self.config.micro_batch_size)
-            sizes = (check_batch(batch, keys, self.vocab_size), size)
+            packed = self.config.sequence_packing
+            sizes = (check_batch(batch, keys, self.vocab_size, packed=packed), size)
         except ValueError as exc:
             error = exc
         agree(error, what=what, exc_type=ValueError)
@@ -219,8 +220,10 @@ class ValueWorker:
         else:
             # a dense T x T mask costs T^2: rows no longer than the longest sequence keep the
             # attention within what the padded forward computes
+            # (at least 1: a micro-batch of fully masked sequences is one row of padding; 0
+            # raised in pack_sequences on this rank only, inside FSDP2's collectives)
             row_tokens = self.config.pack_row_tokens or max(
-                batching.sequence_lengths(attention_mask, packed=True)
+                [1, *batching.sequence_lengths(attention_mask, packed=True)]
             )
         packed = pack_sequences(
             input_ids,
@@ -259,10 +262,12 @@ class ValueWorker:
 
         Raises:
             ValueError: on every rank when any rank has missing keys, a shape mismatch, an
-                empty batch, token ids outside ``[0, vocab_size)``, a non-0/1 mask, or a
-                ``micro_batch_size`` that is not a positive int; dp ranks with different
-                numbers of fixed-size micro-batches; a sequence longer than
-                ``max_tokens_per_micro_batch`` on any dp rank.
+                empty batch, token ids outside ``[0, vocab_size)``, a non-0/1 mask, with
+                ``config.sequence_packing`` an ``attention_mask`` that is not right-padded (a
+                hole or left padding), or a ``micro_batch_size`` that is not a positive int;
+                dp ranks with different numbers of fixed-size micro-batches; a sequence longer
+                than ``max_tokens_per_micro_batch`` on any dp rank. Sequences without any
+                token are allowed (their values are 0 packed, meaningless padded).
         """
         _, micro = self._checked(batch, INFER_KEYS, micro_batch_size, "get_values")
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
@@ -307,8 +312,10 @@ class ValueWorker:
 
         Raises:
             ValueError: on every rank when any rank has missing keys, a shape mismatch, an
-                empty batch, token ids outside ``[0, vocab_size)``, a non-0/1 mask, a NaN/inf
-                ``old_values`` or ``returns`` where ``loss_mask`` is 1 (key and position
+                empty batch, token ids outside ``[0, vocab_size)``, a non-0/1 mask, a
+                ``loss_mask`` of 1 where ``attention_mask`` is 0, with
+                ``config.sequence_packing`` an ``attention_mask`` that is not right-padded, a
+                NaN/inf ``old_values`` or ``returns`` where ``loss_mask`` is 1 (key and position
                 named), or a ``micro_batch_size`` that is not a positive int; an all-zero
                 ``loss_mask`` over the global batch; dp ranks with different numbers of
                 fixed-size micro-batches; a sequence longer than

@@ -217,6 +217,32 @@ def test_patched_keeps_what_was_applied_before_it(with_synthetic: list[str]) -> 
     assert registry.get("synthetic").is_applied
 
 
+def test_patched_exclude_takes_out_a_patch_applied_before_it(with_synthetic: list[str]) -> None:
+    # "patched(exclude=[x])" means "without x" even after an apply_all() that applied x; on
+    # exit x is back, with torch's tables as they were.
+    dtensor_patches.apply_all(only=["synthetic"])
+    applied = _state()
+    with dtensor_patches.patched(exclude=["synthetic"]) as report:
+        assert report["synthetic"].status is Status.EXCLUDED
+        assert not registry.get("synthetic").is_applied
+        assert _state() != applied
+    assert registry.get("synthetic").is_applied
+    assert _state() == applied
+    with dtensor_patches.patched(only=["alias"]):
+        assert not registry.get("synthetic").is_applied
+    assert _state() == applied
+
+
+def test_patched_with_bad_names_changes_nothing(with_synthetic: list[str]) -> None:
+    dtensor_patches.apply_all(only=["synthetic"])
+    applied = _state()
+    with pytest.raises(ValueError, match="typo"):
+        with dtensor_patches.patched(exclude=["synthetic", "typo"]):
+            pass  # pragma: no cover - never entered
+    assert registry.get("synthetic").is_applied
+    assert _state() == applied
+
+
 def test_plan_changes_nothing(with_synthetic: list[str]) -> None:
     before = _state()
     report = dtensor_patches.plan()

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
+    "base_of",
     "check_internals",
     "dtensor_class",
     "dtensor_types",
@@ -31,6 +32,7 @@ __all__ = [
     "full_tensor",
     "full_value",
     "has_base",
+    "has_internal_overlap",
     "is_dtensor",
     "is_view",
     "local_shape_and_offset",
@@ -40,6 +42,7 @@ __all__ = [
     "module_parameters",
     "relabel",
     "rewrap",
+    "set_local",
     "set_spec",
     "shares_storage",
     "spec_of",
@@ -133,6 +136,29 @@ def set_spec(dtensor: DTensor, spec: DTensorSpec) -> None:
     dtensor._spec = spec
 
 
+def set_local(dtensor: DTensor, local: torch.Tensor) -> None:
+    """Give ``dtensor`` another local tensor in place (same shape, its spec unchanged): for a
+    local tensor that cannot be written into (an expanded one, whose elements overlap)."""
+    if tuple(local_tensor(dtensor).shape) != tuple(local.shape):
+        raise ValueError(
+            f"set_local: shape {list(local.shape)} for a local tensor of "
+            f"{list(local_tensor(dtensor).shape)}"
+        )
+    dtensor._local_tensor = local
+
+
+def has_internal_overlap(tensor: torch.Tensor) -> bool:
+    """Whether some elements of ``tensor`` share memory (``expand``): it cannot be written into
+    with ``copy_``. ``torch._debug_has_internal_overlap`` answers 0 (no), 1 (yes) or 2 (too
+    hard to tell); 2 counts as overlap.
+
+    Raises:
+        PatchError: the function moved.
+    """
+    check = attribute(torch, "_debug_has_internal_overlap", "torch._debug_has_internal_overlap")
+    return int(check(tensor)) != 0
+
+
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, cls: type | None = None) -> Any:
     """A DTensor (or an instance of the DTensor subclass ``cls``) over ``local`` with ``spec``,
     without communication or checks: ``DTensor(local, spec, requires_grad=False)``, the
@@ -198,6 +224,12 @@ def is_view(tensor: torch.Tensor) -> bool:
 def has_base(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` was made as a view of another (``Tensor._base`` is set)."""
     return tensor._base is not None
+
+
+def base_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` was made as a view of (``Tensor._base``), or ``None``."""
+    base: torch.Tensor | None = tensor._base
+    return base
 
 
 def view_root(tensor: torch.Tensor) -> torch.Tensor:

@@ -97,19 +97,23 @@ def writes_self(op: OpOverload) -> bool:
 
 @functools.cache
 def is_view_op(op: OpOverload) -> bool:
-    """A view op: its outputs alias its first argument without writing it."""
+    """A view op: its outputs alias its first argument without writing it. Ops returning a
+    list of views (``unbind``, ``split``, ``chunk``: ``Tensor(a -> *) self -> Tensor(a)[]``)
+    are view ops too; their list's alias set is empty in the schema, the wildcard after-set of
+    ``self`` says that the elements alias it (issue 23, item 4)."""
     schema = _schema(op)
     first = schema.arguments[0].alias_info if schema.arguments else None
-    outs = [r.alias_info for r in schema.returns]
-    return bool(
-        first is not None
-        and not first.is_write
-        and outs
-        and all(
-            a is not None and not a.is_write and set(a.before_set) & set(first.before_set)
-            for a in outs
-        )
-    )
+    if first is None or first.is_write or not schema.returns:
+        return False
+    for out in schema.returns:
+        alias = out.alias_info
+        if alias is None or alias.is_write:
+            return False
+        if set(alias.before_set) & set(first.before_set):
+            continue
+        if not (isinstance(out.type, torch.ListType) and "*" in first.after_set):
+            return False
+    return True
 
 
 def is_random(op: OpOverload) -> bool:

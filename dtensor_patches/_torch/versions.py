@@ -5,9 +5,16 @@ from __future__ import annotations
 import torch
 from packaging.version import Version
 
-__all__ = ["dispatches_in_cpp", "torch_release", "torch_version", "view_geometry_is_global"]
+__all__ = [
+    "dispatches_in_cpp",
+    "subclass_dispatch_honoured",
+    "torch_release",
+    "torch_version",
+    "view_geometry_is_global",
+]
 
 _CPP_DISPATCH = Version("2.10")
+_SUBCLASS_DISPATCH_AGAIN = Version("2.12")
 
 
 def torch_version() -> Version:
@@ -41,3 +48,14 @@ def view_geometry_is_global() -> bool:
     offset 6); on 2.9 every DTensor view reports offset 0.
     """
     return torch_release() >= _CPP_DISPATCH
+
+
+def subclass_dispatch_honoured() -> bool:
+    """Whether a DTensor subclass's own ``__torch_dispatch__`` is called for its ops.
+
+    Measured: 2.10 and 2.11 dispatch DTensor subclasses through DTensor's C++ fast path without
+    calling it (2.9 is Python, 2.12 honours it again), so a tracked view cannot see the writes
+    into it there.
+    """
+    release = torch_release()
+    return not (_CPP_DISPATCH <= release < _SUBCLASS_DISPATCH_AGAIN)

@@ -69,15 +69,17 @@ class _Fallback:
 FALLBACK = _Fallback()
 
 
-def resolve_mode(requested: str | None) -> str:
+def resolve_mode(requested: str | None, previous: str | None = None) -> str:
     """The mode in effect: ``DTENSOR_PATCHES_FALLBACK`` if set, else ``requested``, else
-    ``"warn"``.
+    ``previous`` (the mode an earlier ``apply_all()`` chose, so that an argument-less call
+    keeps it), else ``"warn"``.
 
     Raises:
         ValueError: an unknown mode (from the argument or the environment).
     """
     raw = os.environ.get(FALLBACK_ENV, "").strip().lower()
-    chosen = raw or (requested if requested is not None else "warn")
+    default = previous if previous is not None else "warn"
+    chosen = raw or (requested if requested is not None else default)
     if chosen not in MODES:
         where = f"{FALLBACK_ENV}={raw!r}" if raw else f"fallback={requested!r}"
         raise ValueError(f"{where}: the fallback mode is one of {', '.join(MODES)}")

@@ -23,7 +23,6 @@ from dtensor_patches._torch.dtensors import (
     dtensor_class,
     first_mesh,
     full_tensor,
-    is_dtensor,
     local_tensor,
 )
 from dtensor_patches._torch.schemas import (
@@ -34,9 +33,15 @@ from dtensor_patches._torch.schemas import (
     tree_map,
     written_positions,
 )
+from dtensor_patches._torch.versions import subclass_dispatch_honoured
 from dtensor_patches.dispatch import fallback_report, tracked_views
-from dtensor_patches.dispatch.shards import contiguous_stride, partial_shares, shard_of
-from dtensor_patches.errors import PatchError
+from dtensor_patches.dispatch.shards import (
+    contiguous_stride,
+    gather_full,
+    partial_shares,
+    shard_of,
+)
+from dtensor_patches.errors import PatchError, first_line
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -93,31 +98,6 @@ def placements_text(leaves: Sequence[Any]) -> str:
             mesh = "x".join(str(s) for s in leaf.device_mesh.shape)
             parts.append(f"{list(leaf.shape)}{tuple(leaf.placements)}@{mesh}")
     return ", ".join(parts)
-
-
-def _gather(value: Any) -> tuple[Any, int]:
-    """The full tensor of a DTensor (detached, on every rank) and the bytes it moved here."""
-    from torch.distributed.tensor import Replicate
-
-    if not is_dtensor(value):
-        return value, 0
-    local = local_tensor(value)
-    if all(isinstance(p, Replicate) for p in value.placements):
-        return local.detach(), 0
-    if value.numel() == 0:
-        # Nothing to gather; torch 2.9's all-gather of empty uneven shards hangs on some ranks.
-        return torch.empty(value.shape, dtype=value.dtype, device=local.device), 0
-    full = value.detach().full_tensor()
-    if value.is_contiguous() and not full.is_contiguous():
-        # Gathering a Shard(d > 0) gives a permuted view on some releases (2.9); views
-        # (``flatten``) of the gathered tensor must see the layout the DTensor reports.
-        full = full.contiguous()
-    if any(p.is_shard() for p in value.placements):
-        moved = max(full.numel() - local.numel(), 0) * full.element_size()
-    else:
-        # Partial only: a reduction, not a gather; every rank still received a full copy.
-        moved = full.numel() * full.element_size()
-    return full, moved
 
 
 def _scratch(original: Any, full: Any, targets: list[tuple[Any, torch.Tensor]]) -> Any:
@@ -223,6 +203,32 @@ def _write_back(
         target.copy_(copy)
 
 
+def _check_view_writable(op: Any, placements: str, error: BaseException | None) -> None:
+    """Refuse a view op on a release where a tracked view cannot see the writes into it.
+
+    The fallback's view is a copy made from gathered inputs; its writes reach the tensor it was
+    made from only through its tracked view's own ``__torch_dispatch__``, which torch 2.10 and
+    2.11 never call (:func:`~dtensor_patches._torch.versions.subclass_dispatch_honoured`). A
+    result there would turn torch's clear refusal (``x.unbind(0)`` of a ``Shard(0)`` ``x``)
+    into writes silently lost (issue 23, item 4), so the call is refused with the way out,
+    after the op ran on the full tensors (a view the single device refuses raises its error).
+
+    Raises:
+        PatchError: on torch 2.10 and 2.11.
+    """
+    if subclass_dispatch_honoured():
+        return
+    raise PatchError(
+        f"{op} on DTensors {placements}: torch refused this view"
+        + (f" ({first_line(error)})" if error is not None else "")
+        + f", and on torch {torch.__version__} a view the fallback made could not carry writes "
+        "into the tensor it was made from (DTensor subclasses dispatch in C++ on 2.10 and "
+        "2.11), so it is refused. Make the copy explicit: "
+        "x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim) first, or "
+        "x.full_tensor()"
+    ) from error
+
+
 def run_gathered(
     op: Any,
     args: tuple[Any, ...],
@@ -248,7 +254,8 @@ def run_gathered(
 
     Raises:
         PatchError: DTensor arguments on different meshes; an in-place op that changes the
-            shape of its target.
+            shape of its target; a view op on torch 2.10 or 2.11, where the view's writes
+            could not reach its base (:func:`_check_view_writable`).
         Exception: whatever the op raises on the full plain tensors; nothing is written then.
     """
     dtensor = dtensor_class()
@@ -264,7 +271,7 @@ def run_gathered(
 
     def gather(value: Any) -> Any:
         nonlocal moved
-        full, n = _gather(value)
+        full, n = gather_full(value)
         moved += n
         return full
 
@@ -277,6 +284,8 @@ def run_gathered(
                 op, args, kwargs, full_args, full_kwargs, targets
             )
         out = op(*full_args, **full_kwargs)
+        if is_view_op(op) and args and isinstance(args[0], dtensor):
+            _check_view_writable(op, placements, error)
         if is_random(op):
             out = tree_map(lambda v: _broadcast_from_origin(v, mesh), out)
             targets = [(t, _broadcast_from_origin(c, mesh)) for t, c in targets]

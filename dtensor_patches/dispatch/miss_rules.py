@@ -128,15 +128,16 @@ def _decomposes_itself(op: OpOverload, error: Exception) -> bool:
 def decide(op: OpOverload, schema: OpSchema, native: NativeDecision) -> DivertedCall | None:
     """The decision on a miss (see the module doc): a rule's diversion, the fallback's, or
     ``None`` for torch's own."""
+    # Never iterate the live table: another thread may apply or revert patches meanwhile
+    # (issue 23, item 11). ``get`` and the snapshot ``any_op`` are each read in one step.
     rules = state.MISS_RULES
-    keys = [op, *(key for key in rules if isinstance(key, tuple))]
-    for key in keys:
-        rule = rules.get(key)
-        if rule is not None:
-            run = rule(schema, native)
-            if run is not None:
-                note_decision(op, key)
-                return run
+    own = rules.get(op)
+    candidates = rules.any_op if own is None else ((op, own), *rules.any_op)
+    for key, rule in candidates:
+        run = rule(schema, native)
+        if run is not None:
+            note_decision(op, key)
+            return run
     fallback = state.FALLBACK.get("call")
     if fallback is not None:
         error = native.error()

@@ -25,7 +25,7 @@ These are the fallback's registrations (:func:`registrations`): on while it is o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "PlainGrads",
     "ambiguity_error",
     "clip_grads_with_norm",
     "gathered_locally",
@@ -113,6 +114,37 @@ def _split(tensors: Iterable[Any]) -> dict[int, tuple[Any, list[Any]]]:
     return by_kind
 
 
+PlainGrads = Literal["auto", "replicated", "per_rank"]
+
+
+def _plain_norm_over_ranks(
+    norm: torch.Tensor, norm_type: float, plain: PlainGrads, group: Any
+) -> torch.Tensor:
+    """The norm of the plain tensors of every rank, the same on each: ``norm`` is this rank's.
+
+    ``"replicated"``: every rank holds the same tensors, counted once (``norm`` itself).
+    ``"per_rank"``: each rank's tensors are its own (FSDP2 ``ignored_params`` whose gradients
+    are not reduced), so the norm is that of all ranks' tensors together. ``"auto"``: one
+    all-gather of the per-rank norms tells which; equal on every rank means replicated.
+    A process group of one rank (or none initialized) needs no collective.
+    """
+    import torch.distributed as dist
+
+    if plain == "replicated" or not dist.is_available() or not dist.is_initialized():
+        return norm
+    world = dist.get_world_size(group)
+    if world == 1:
+        return norm
+    # One all-gather of a scalar per rank: enough for both readings, and the same on every
+    # rank, so clipping scales every shard of a DTensor by one coefficient.
+    gathered = [torch.empty_like(norm) for _ in range(world)]
+    dist.all_gather(gathered, norm.contiguous(), group=group)
+    norms = torch.stack(gathered)
+    if plain == "auto" and bool((norms == norms[0]).all() | norms.isnan().all()):
+        return norms[0]
+    return torch.linalg.vector_norm(norms, float(norm_type))
+
+
 def total_norm(
     tensors: Any,
     norm_type: float = 2.0,
@@ -120,6 +152,8 @@ def total_norm(
     foreach: bool | None = None,
     *,
     original: Callable[..., torch.Tensor] | None = None,
+    plain: PlainGrads = "auto",
+    group: Any = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.get_total_norm``, also over tensors of several kinds.
 
@@ -128,9 +162,21 @@ def total_norm(
     ``vector_norm(stack(norms), norm_type)`` as torch combines per-tensor norms; a plain
     0-dim tensor on the first tensor's device, the same on every rank.
 
+    Plain tensors beside DTensors (gradients of FSDP2 ``ignored_params``, of parameters left
+    out of TP) may hold the same values on every rank or each rank's own: ``plain`` says
+    which (``"replicated"``, ``"per_rank"``), and ``"auto"`` (the default, and what torch's
+    wrapped ``get_total_norm`` / ``clip_grad_norm_`` use) finds out with one all-gather of one
+    scalar per rank over ``group`` (default: the world), taking per-rank norms that differ as
+    per-rank. Either way every rank gets the same norm, so each shard of a DTensor is clipped
+    by the same coefficient (issue 23, item 14: a per-rank plain gradient taken as replicated
+    gave each rank its own norm).
+
     Raises:
         RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (torch's message).
+        ValueError: ``plain`` is not one of the three readings.
     """
+    if plain not in ("auto", "replicated", "per_rank"):
+        raise ValueError(f"plain must be 'auto', 'replicated' or 'per_rank', got {plain!r}")
     torch_norm = original if original is not None else original_function("_get_total_norm")
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     kinds = _split(tensors)
@@ -138,10 +184,12 @@ def total_norm(
         return torch_norm(tensors, norm_type, error_if_nonfinite, foreach)
     first_device = tensors[0].device
     norms = []
-    for _kind_obj, group in kinds.values():
-        norm = full_tensor(torch_norm(group, norm_type, False, foreach))
-        norms.append(norm.to(first_device))
     with torch.no_grad():
+        for kind_obj, group_tensors in kinds.values():
+            norm = full_tensor(torch_norm(group_tensors, norm_type, False, foreach))
+            if kind_obj is None:
+                norm = _plain_norm_over_ranks(norm, float(norm_type), plain, group)
+            norms.append(norm.to(first_device))
         result = torch.linalg.vector_norm(torch.stack(norms), float(norm_type))
     if error_if_nonfinite and torch.logical_or(result.isnan(), result.isinf()):
         raise RuntimeError(

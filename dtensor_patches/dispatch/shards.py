@@ -1,17 +1,20 @@
-"""This rank's local tensor of a full value under given placements, with no communication."""
+"""This rank's local tensor of a full value under given placements, with no communication; and
+the full value of a DTensor in the layout it reports (:func:`gather_full`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from dtensor_patches._torch.dtensors import is_dtensor, local_tensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["contiguous_stride", "partial_shares", "shard_of"]
+__all__ = ["contiguous_stride", "gather_full", "in_layout_of", "partial_shares", "shard_of"]
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -63,3 +66,58 @@ def shard_of(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placemen
         .to_local()
     )
     return partial_shares(local, mesh, placements)
+
+
+def _dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` lays out ``shape`` densely without overlap (a permutation of a
+    contiguous layout: what a transpose of a contiguous tensor has)."""
+    running = 1
+    for size, step in sorted(zip(shape, stride, strict=True), key=lambda d: (d[1], d[0])):
+        if size == 1:
+            continue
+        if step != running:
+            return False
+        running *= size
+    return True
+
+
+def in_layout_of(value: Any, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (the gathered tensor of the DTensor ``value``) with the strides ``value``
+    reports, where those are a dense layout: view ops on the gathered tensor must succeed or
+    fail as on a single device (the gather gives a contiguous tensor for ``x.t()`` of a
+    ``Shard(0)`` ``x``, where ``x.t().view(-1)`` raises on one device; and a permuted one for a
+    ``Shard(d > 0)`` on 2.9, where ``flatten`` must see the reported layout; issue 23, item
+    15). A layout with overlap or gaps (``expand``) keeps the gathered one."""
+    if full.stride() == value.stride() or full.numel() == 0:
+        return full
+    if not _dense_layout(value.shape, value.stride()):
+        return full.contiguous() if value.is_contiguous() else full
+    out = torch.empty_strided(value.shape, value.stride(), dtype=full.dtype, device=full.device)
+    out.copy_(full)
+    return out
+
+
+def gather_full(value: Any) -> tuple[Any, int]:
+    """The full tensor of a DTensor (detached, on every rank, ``Partial`` reduced, in the
+    layout the DTensor reports) and the bytes it moved to this rank; anything else as it is.
+
+    A collective on every rank of the mesh unless every placement is ``Replicate()`` (then the
+    local tensor itself, detached: it aliases the DTensor's data).
+    """
+    from torch.distributed.tensor import Replicate
+
+    if not is_dtensor(value):
+        return value, 0
+    local = local_tensor(value)
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return local.detach(), 0
+    if value.numel() == 0:
+        # Nothing to gather; torch 2.9's all-gather of empty uneven shards hangs on some ranks.
+        return torch.empty(value.shape, dtype=value.dtype, device=local.device), 0
+    full = in_layout_of(value, value.detach().full_tensor())
+    if any(p.is_shard() for p in value.placements):
+        moved = max(full.numel() - local.numel(), 0) * full.element_size()
+    else:
+        # Partial only: a reduction, not a gather; every rank still received a full copy.
+        moved = full.numel() * full.element_size()
+    return full, moved

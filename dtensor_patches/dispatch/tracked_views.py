@@ -8,7 +8,15 @@ that records how it was made: its ops dispatch through its own ``__torch_dispatc
 unwraps it and, for an op that writes into it, computes the write on a scratch copy, replays
 the recorded view op on the gathered source to find the region, and writes the source's new
 shards into the source's own local tensor. Chains of such views are followed to the first
-untracked source. Nothing is written until every step has succeeded.
+untracked source (the *root*). Nothing is written until every step has succeeded.
+
+Every op on a tracked view first gives it the root's current values (the root gathered once
+per call, the recorded view ops replayed on it): a write into the base after the view was made
+(``v = x[1:3]; x.mul_(2)``) shows in ``v`` and in what ``v``'s writes carry back, as on one
+device. All the views of one root that a call writes (``aminmax(y, 0, out=(x[0], x[1]))``)
+are written into one full copy of the root, so that every write lands. View ops that return a
+list (``unbind``, ``split``, ``chunk``) make tracked views too, one per piece. Every rank must
+run the same ops on its tracked views (each is a collective), as with any DTensor op.
 
 Two things make tracked views: the :class:`TrackViews` registration (a miss rule for every op,
 acting on view ops whose input torch's own decision must redistribute), and the gather engine
@@ -35,8 +43,10 @@ from dtensor_patches._torch.dispatch_hook import DivertedCall, NativeDecision
 from dtensor_patches._torch.dtensors import (
     dtensor_class,
     dtensor_types,
+    has_internal_overlap,
     local_tensor,
     rewrap,
+    set_local,
     shares_storage,
 )
 from dtensor_patches._torch.schemas import (
@@ -48,14 +58,22 @@ from dtensor_patches._torch.schemas import (
     written_positions,
 )
 from dtensor_patches.dispatch.miss_rules import any_op_key, ensure_hook
-from dtensor_patches.dispatch.shards import shard_of
+from dtensor_patches.dispatch.shards import gather_full, shard_of
 from dtensor_patches.errors import LostWriteError
 from dtensor_patches.ledger import EntryKey
 
 if TYPE_CHECKING:
     from dtensor_patches._torch.types import OpSchema
 
-__all__ = ["TrackViews", "is_tracked", "track", "tracked_view_class", "view_rule"]
+__all__ = [
+    "TrackViews",
+    "is_tracked",
+    "region_in",
+    "track",
+    "tracked_view_class",
+    "view_record",
+    "view_rule",
+]
 
 
 @functools.cache
@@ -89,6 +107,23 @@ def _record(view: Any) -> tuple[Any, Any, tuple[Any, ...], dict[str, Any], int |
     return view.dtensor_patches_view_of
 
 
+def view_record(
+    value: object,
+) -> tuple[Any, Any, tuple[Any, ...], dict[str, Any], int | None] | None:
+    """``(source, view op, other args, kwargs, output index)`` of a tracked view, else ``None``."""
+    return _record(value) if is_tracked(value) else None
+
+
+def region_in(full_source: torch.Tensor, record: Any) -> torch.Tensor:
+    """The view ``record`` (a :func:`view_record`) describes, replayed on the plain
+    ``full_source``: a view of it.
+
+    Raises:
+        LostWriteError: the replay fails or is not a view of ``full_source``.
+    """
+    return _region(record, full_source, write=True)
+
+
 def track(out: Any, source: Any, op_call: Any, rest: tuple[Any, ...], kwargs: Any) -> Any:
     """``out`` (a DTensor view, or a list/tuple of them, of ``source`` made by ``op_call``) as
     tracked views of ``source``."""
@@ -108,11 +143,13 @@ def track(out: Any, source: Any, op_call: Any, rest: tuple[Any, ...], kwargs: An
 
 def _dispatch_tracked(func: Any, args: Any, kwargs: Any) -> Any:
     flat, spec = tree_flatten((args, kwargs))
+    views = {id(a): a for a in flat if is_tracked(a)}
+    roots = _refresh(list(views.values()))
     plain = [rewrap(a) if is_tracked(a) else a for a in flat]
     plain_args, plain_kwargs = tree_unflatten(plain, spec)
     written = _written_views(func, args, kwargs)
     if written:
-        return _write_through(func, args, plain_args, plain_kwargs, written)
+        return _write_through(func, args, plain_args, plain_kwargs, written, roots)
     out = func(*plain_args, **plain_kwargs)
     if is_view_op(func) and args and is_tracked(args[0]):
         return track(out, args[0], func, tuple(args[1:]), dict(kwargs))
@@ -210,13 +247,50 @@ def _written_views(func: Any, args: Any, kwargs: Any) -> list[tuple[str, int | N
     return found
 
 
-def _region(record: Any, full_source: torch.Tensor) -> torch.Tensor:
+def _chain(view: Any) -> tuple[Any, list[Any]]:
+    """``(root, records)``: the first untracked tensor up the chain of sources of ``view``, and
+    the records of the view ops that make ``view`` from it, root first."""
+    records = []
+    node = view
+    while is_tracked(node):
+        record = _record(node)
+        records.append(record)
+        node = record[0]
+    return node, records[::-1]
+
+
+def _gather_root(root: Any) -> torch.Tensor:
+    """The full value of ``root`` (an untracked DTensor) as a fresh plain tensor, in the layout
+    it reports (a collective on every rank of its mesh)."""
+    full, _ = gather_full(rewrap(root))
+    if shares_storage(full, local_tensor(root)):
+        full = full.clone()  # Replicate(): the local tensor itself
+    return full
+
+
+def _replay(full_root: torch.Tensor, records: list[Any], *, write: bool) -> torch.Tensor:
+    """The recorded view ops replayed on the plain full root, root first: the view's value (and,
+    for ``write=True``, its place in ``full_root``).
+
+    Raises:
+        LostWriteError: ``write=True`` and a replayed op fails or is not a view of its input.
+    """
+    region = full_root
+    for record in records:
+        region = _region(record, region, write=write)
+    return region
+
+
+def _region(record: Any, full_source: torch.Tensor, *, write: bool = True) -> torch.Tensor:
     """The recorded view op replayed on the plain full source: the view's place in it.
 
     Raises:
-        LostWriteError: the replay is not a view into ``full_source``.
+        LostWriteError: ``write`` and the replay fails or is not a view into ``full_source``.
     """
     _, op_call, rest, kwargs, index = record
+    if not write:
+        region = op_call(full_source, *rest, **kwargs)
+        return region[index] if index is not None else region
     try:
         region = op_call(full_source, *rest, **kwargs)
     except RuntimeError as exc:
@@ -236,15 +310,51 @@ def _region(record: Any, full_source: torch.Tensor) -> torch.Tensor:
     return region
 
 
+def _refresh(views: list[Any]) -> dict[int, tuple[Any, torch.Tensor]]:
+    """Give every tracked view among ``views`` the current values of its root (the tensor it
+    was made from, through the whole chain): a write into the root after the view was made
+    (``v = x[1:3]; x.mul_(2)``) must show in ``v``, as on one device (issue 23, item 5).
+
+    Each root is gathered once (a collective on every rank: every rank runs the same ops on its
+    tracked views); each view's local tensor is overwritten with its shard of the recorded view
+    ops replayed on it. Returns ``{id(root): (root, full root)}`` for the writes that follow.
+    """
+    roots: dict[int, tuple[Any, torch.Tensor]] = {}
+    if not views:
+        return roots
+    with torch.no_grad():
+        for view in views:
+            root, records = _chain(view)
+            if id(root) not in roots:
+                roots[id(root)] = (root, _gather_root(root))
+            value = _replay(roots[id(root)][1], records, write=False)
+            local = local_tensor(view)
+            fresh = shard_of(value, view.device_mesh, view.placements)
+            if tuple(fresh.shape) != tuple(local.shape):
+                continue
+            if has_internal_overlap(local):
+                set_local(view, fresh)
+            else:
+                local.copy_(fresh)
+    return roots
+
+
 def _write_through(
     func: Any,
     args: Any,
     plain_args: Any,
     plain_kwargs: Any,
     written: list[tuple[str, int | None, Any]],
+    roots: dict[int, tuple[Any, torch.Tensor]],
 ) -> Any:
-    """Run ``func`` on scratch copies of the written views, carry each new value up the chain
-    of sources, then write every local tensor at once (nothing changes if a step fails)."""
+    """Run ``func`` on scratch copies of the written views, write each new value into its place
+    in the full root (all views of one root into the same full tensor, so that two views of one
+    base written by one call both land: ``aminmax(y, 0, out=(x[0], x[1]))``, issue 23, item
+    12), then write every local tensor at once (nothing changes if a step fails).
+
+    Raises:
+        LostWriteError: a written view has no place in its root (nothing is written).
+    """
     scratch: dict[int, Any] = {}
     for where, index, view in written:
         copy = rewrap(view, local=local_tensor(view).clone())
@@ -257,22 +367,17 @@ def _write_through(
     with torch.no_grad():
         out = func(*plain_args, **plain_kwargs)
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        touched: dict[int, tuple[Any, torch.Tensor]] = {}
         for _, _, view in written:
             new = scratch[id(view)]
+            root, records = _chain(view)
+            touched[id(root)] = roots[id(root)]
+            _replay(roots[id(root)][1], records, write=True).copy_(new.full_tensor())
             writes.append((local_tensor(view), local_tensor(new)))
-            node, new_full = view, new.full_tensor()
-            while is_tracked(node):
-                record = _record(node)
-                source = record[0]
-                full_source = rewrap(source).full_tensor()
-                _region(record, full_source).copy_(new_full)
-                writes.append(
-                    (
-                        local_tensor(source),
-                        shard_of(full_source, source.device_mesh, source.placements),
-                    )
-                )
-                node, new_full = source, full_source
+        for root, full_root in touched.values():
+            writes.append(
+                (local_tensor(root), shard_of(full_root, root.device_mesh, root.placements))
+            )
         for destination, value in writes:
             destination.copy_(value)
     if writes_self(func):

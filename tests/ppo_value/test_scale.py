@@ -156,6 +156,7 @@ def test_grad_norm_is_one_collective_without_the_flatten_warning(pool: RankPool)
 def test_sequence_over_the_budget_raises_on_every_rank(pool: RankPool) -> None:
     batch = make_batch(8, 9, seed=2)
     batch["attention_mask"][:, 6:] = 0  # every sequence fits 6 tokens ...
+    batch["loss_mask"][:, 6:] = 0  # (no loss outside the attention_mask: refused)
     cfg = _cfg(dp=2, tp=2, sequence_packing=True, max_tokens_per_micro_batch=6)
     messages = pool.run(_scale_ranks.too_long_on_one_rank, cfg, batch)  # ... but one of rank 0
     assert all("sequence 0 has 9 tokens" in m for m in messages[:2])

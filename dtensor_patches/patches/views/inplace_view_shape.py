@@ -19,7 +19,11 @@ redistributing it, or torch has no decision, the out-of-place twin (``squeeze``,
 ``transpose``, ``t``) computes the view with torch's own propagation, the op runs on the local
 tensor, and the target gets the view's spec and matching outer size and strides. A view that
 would need a redistribution (squeezing a sharded dim) raises a clear error: an in-place view
-cannot move data. Calls that change placements keep torch's path. Cost: calls of these ops that keep placements are not cached (a sharding
+cannot move data. ``squeeze_`` drops only the dims whose *global* size is 1 from the local tensor
+too: a sharded dim with one element per rank is size 1 locally but not globally, and a local
+``squeeze_()`` without a dim dropped it (``[2, 1, 3]`` ``Shard(0)`` on 2 ranks ended with local
+``(3,)`` for a spec implying ``(1, 3)``; with uneven shards the next gather aborted gloo or hung;
+issue 23, item 10). Calls that change placements keep torch's path. Cost: calls of these ops that keep placements are not cached (a sharding
 propagation per call); they are rare outside decompositions, and no common op is touched.
 All-or-nothing: the local tensor changes only if the op succeeds on it, and the spec is
 replaced after that.
@@ -38,6 +42,7 @@ from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches.dispatch.miss_rules import DivertedCall, NativeDecision
 from dtensor_patches.patch import MissRule, Patch
 from dtensor_patches.reproducers import Case, randn
+from dtensor_patches.strategies import normalize_dims
 
 # The ops with ``Tag.inplace_view`` whose first argument is the DTensor they change, and the
 # out-of-place view op that computes the same view.
@@ -106,8 +111,30 @@ def _in_place_view(op_call: Any, args: Any, kwargs: Any) -> Any:
             "in-place view cannot change where the data lives; use the out-of-place "
             f"{TWINS[str(op_call)]} (x = x.{str(twin).split('.')[1]}(...))"
         )
-    op_call(local, *args[1:], **kwargs)
+    _apply_to_local(op_call, x, local, args, kwargs)
     return finish_inplace_view(op_call, tuple(args), dict(kwargs), x, spec_of(view))
+
+
+def _apply_to_local(
+    op_call: Any, x: Any, local: torch.Tensor, args: Any, kwargs: dict[str, Any]
+) -> None:
+    """Run the in-place view op on ``x``'s local tensor, as the global view changes it.
+
+    ``squeeze_`` (every overload) squeezes the local tensor along exactly the dims of global
+    size 1 that the call names (all of them for no dim): a dim sharded with one element per
+    rank is size 1 only locally and stays. The other ops act on the same dims locally.
+    """
+    if not str(op_call).startswith("aten.squeeze_."):
+        op_call(local, *args[1:], **kwargs)
+        return
+    ndim = x.ndim
+    given = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("dims"))
+    if isinstance(given, (tuple, list)) and not given:
+        return  # squeeze_(()) squeezes nothing
+    requested = range(ndim) if given is None else normalize_dims(given, ndim)
+    drop = tuple(d for d in requested if ndim > 0 and x.shape[d] == 1)
+    if drop:
+        local.squeeze_(drop)
 
 
 def _registrations() -> list[MissRule]:

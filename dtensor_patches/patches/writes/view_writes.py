@@ -4,7 +4,8 @@ Trigger (every release 2.9 to 2.15, measured): ``torch.nn.init.zeros_(w[:2])`` w
 ``Shard(0)`` parameter. Slicing a sharded dim makes DTensor gather a temporary first; the
 view's local tensor points into that temporary, and the write never reaches ``w``. Also
 ``w[:2] = 0``, ``w.t()[:, 1:3].zero_()``, and every view op that redistributes (``slice``,
-``select``, ``view``, ``unbind``, ``split``...).
+``select``, ``view``, ``unbind``, ``split``, ``chunk``...), and a write into the base after the
+view was made, which the view must see (``v = x[2]; x.zero_(); v.add_(1)``).
 
 Fix: tracked views (:mod:`dtensor_patches.dispatch.tracked_views`, registration
 :class:`~dtensor_patches.dispatch.tracked_views.TrackViews`). Where it acts, and what that
@@ -76,7 +77,7 @@ PATCH = Patch(
     replicates=True,
     overrides_existing=True,
     communication=(
-        "nothing on cached calls; a write through a tracked view: a gather of its source "
-        "(**replicates** the source once)"
+        "nothing on cached calls; each op on a tracked view: a gather of its root "
+        "(**replicates** the source once per op), and a write a gather of the new value"
     ),
 )
