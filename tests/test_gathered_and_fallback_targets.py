@@ -253,6 +253,23 @@ def _plain_call(name: str, a: dict[str, Any], t: dict[str, torch.Tensor]) -> Non
     elif name == "addr_view_implicit":
         with implicit_replication():
             t["base"][2:].addr_(a["v1"], a["v2"])
+    elif name == "renorm_expanded_implicit":
+        # One device refuses an expand-ed out=; nothing may be written.
+        with implicit_replication():
+            torch.renorm(a["x"], 2, 0, 1.0, out=t["row"].expand(4, 3))
+    elif name == "kthvalue_expanded_implicit":
+        # A DTensor and a plain target; the plain one is refused, so neither is written.
+        with implicit_replication():
+            torch.kthvalue(a["x"], 1, dim=1, out=(a["mn4"], t["one"].expand(4)))
+    elif name == "run_gathered_ambiguous":
+        # A patch handler sees a call before torch's mixed-tensor check: a plain out= of
+        # more than one element outside implicit_replication() is ambiguous, so refused.
+        if isinstance(a["x"], torch.Tensor) and type(a["x"]) is torch.Tensor:
+            torch.renorm(a["x"], 2, 0, 1.0, out=t["out"])
+        else:
+            from dtensor_patches.dispatch.gather import run_gathered
+
+            run_gathered(torch.ops.aten.renorm.out, (a["x"], 2, 0, 1.0), {"out": t["out"]}, "t")
     else:
         raise AssertionError(name)
 
@@ -267,7 +284,10 @@ def _plain_target_case(name: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(41)
     x, x11 = torch.randn(4, 3, generator=g) * 2, torch.randn(1, 1, generator=g) * 3
     v1, v2 = torch.randn(4, generator=g), torch.randn(3, generator=g)
+    mn4 = torch.randn(4, generator=g)
     targets = {
+        "row": torch.zeros(3),
+        "one": torch.zeros(1, dtype=torch.long),
         "mn": torch.zeros(()),
         "mx": torch.zeros(()),
         "out11": torch.zeros(1, 1),
@@ -275,13 +295,19 @@ def _plain_target_case(name: str) -> dict[str, Any]:
         "base": torch.randn(6, 3, generator=g),
     }
     expected = {k: v.clone() for k, v in targets.items()}
-    _plain_call(name, {"x": x, "x11": x11, "v1": v1, "v2": v2}, expected)
+    plain_inputs = {"x": x, "x11": x11, "v1": v1, "v2": v2, "mn4": mn4.clone()}
+    try:
+        _plain_call(name, plain_inputs, expected)
+        plain_error = None
+    except RuntimeError as exc:
+        plain_error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     with dtensor_patches.patched():
         inputs = {
             "x": _place(x.clone(), mesh, "S0"),
             "x11": _place(x11.clone(), mesh, "S0"),
             "v1": _place(v1.clone(), mesh, "S0"),
             "v2": _place(v2.clone(), mesh, "S0"),
+            "mn4": _place(mn4.clone(), mesh, "S0"),
         }
         got = {k: v.clone() for k, v in targets.items()}
         try:
@@ -289,10 +315,20 @@ def _plain_target_case(name: str) -> dict[str, Any]:
             error = None
         except RuntimeError as exc:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    row: dict[str, Any] = {"error": error, "plain_error": plain_error}
     if error is not None:
-        changed = [k for k in targets if not torch.equal(got[k], targets[k])]
-        return {"error": error, "problems": [f"{k} changed by a failed call" for k in changed]}
-    return {"error": None, "problems": _problems([(got[k], expected[k], k) for k in targets])}
+        written = {**got, "mn4": inputs["mn4"]}
+        before = {**targets, "mn4": mn4}
+        changed = [k for k in before if not torch.equal(_full(written[k]), before[k])]
+        row["problems"] = [f"{k} changed by a failed call" for k in changed]
+        return row
+    got_all = [(got[k], expected[k], k) for k in targets]
+    row["problems"] = _problems([*got_all, (inputs["mn4"], plain_inputs["mn4"], "mn4")])
+    return row
+
+
+def _full(t: Any) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 _PLAIN_TARGETS = [
@@ -303,6 +339,9 @@ _PLAIN_TARGETS = [
     "renorm_view_implicit",
     "addr_implicit",
     "addr_view_implicit",
+    "renorm_expanded_implicit",
+    "kthvalue_expanded_implicit",
+    "run_gathered_ambiguous",
 ]
 
 
@@ -313,6 +352,11 @@ def test_fallback_writes_plain_targets(pool2: RankPool, name: str) -> None:
         assert row["problems"] == [], row
     # The same outcome on every rank.
     assert rows[0]["error"] == rows[1]["error"], rows
-    if name.endswith("implicit") or name == "renorm_x11":
+    if rows[0]["plain_error"] is not None:
+        # One device refuses: so does the DTensor call (nothing written, checked above).
+        assert rows[0]["error"] is not None, rows
+    elif name.endswith("implicit") or name in ("renorm_x11", "aminmax_0dim"):
         # A plain tensor taken as replicated: the single-device values, no error.
         assert rows[0]["error"] is None, rows
+    if name == "run_gathered_ambiguous":
+        assert rows[0]["error"].startswith("MixedTensorError"), rows

@@ -33,6 +33,7 @@ from dtensor_patches._torch.schemas import (
     tree_map,
     written_positions,
 )
+from dtensor_patches._torch.tables import implicit_replication_on
 from dtensor_patches._torch.versions import subclass_dispatch_honoured
 from dtensor_patches.dispatch import fallback_report, tracked_views
 from dtensor_patches.dispatch.shards import (
@@ -171,15 +172,65 @@ def _with_scratch_targets(
     return full_args, full_kwargs
 
 
-def _write_back(
-    op: Any, targets: list[tuple[Any, torch.Tensor]], error: BaseException | None
+def _check_plain_targets(
+    op: Any, mesh: DeviceMesh, targets: list[tuple[Any, torch.Tensor]], error: BaseException | None
 ) -> None:
-    """Write every target: a DTensor gets this rank's shard of its full result, a plain tensor
-    the full result itself (it is read as the same on every rank, as a plain argument is; an
-    ``out=`` one is resized as ``out=`` resizes). Checks and shards first, writes last.
+    """Refuse, before anything is written, a plain target the full result cannot go into.
+
+    A plain ``out=``/``self`` tensor beside DTensors gets the full result on every rank, which
+    is right only where it is read as the same on every rank: torch takes it so when it has
+    one element or inside ``implicit_replication()`` (the fallback runs only after torch took
+    it so; a patch handler sees the call before that check). The writes torch's own kernels
+    refuse (an ``expand``-ed target, a resize of a storage that cannot grow) are refused with
+    torch's message here, where the op wrote into a copy.
 
     Raises:
-        PatchError: a DTensor target whose shape the op changed (nothing written).
+        MixedTensorError: a plain target of more than one element outside
+            ``implicit_replication()`` (what it should hold is ambiguous).
+        RuntimeError: a target with elements that share memory, or one to resize whose
+            storage is not resizable (torch's messages).
+    """
+    from dtensor_patches.dispatch.mixed import ambiguity_error
+
+    for target, copy in targets:
+        if target.numel() != 1 and not implicit_replication_on():
+            raise ambiguity_error(
+                op,
+                target,
+                mesh,
+                RuntimeError(
+                    f"{op}: got mixed torch.Tensor and DTensor, need to convert all "
+                    "torch.Tensor to DTensor before calling distributed operators!"
+                ),
+            ) from error
+        if any(n > 1 and s == 0 for n, s in zip(target.shape, target.stride(), strict=True)):
+            raise RuntimeError(
+                "unsupported operation: more than one element of the written-to tensor refers "
+                "to a single memory location. Please clone() the tensor before performing the "
+                "operation."
+            ) from error
+        if target.shape != copy.shape:
+            needed = (target.storage_offset() + copy.numel()) * target.element_size()
+            storage = target.untyped_storage()
+            if needed > storage.nbytes() and not storage.resizable():
+                raise RuntimeError("Trying to resize storage that is not resizable") from error
+
+
+def _write_back(
+    op: Any,
+    mesh: DeviceMesh,
+    targets: list[tuple[Any, torch.Tensor]],
+    error: BaseException | None,
+) -> None:
+    """Write every target: a DTensor gets this rank's shard of its full result, a plain tensor
+    the full result itself (read as the same on every rank, as torch reads a plain argument
+    it accepts; an ``out=`` one is resized as ``out=`` resizes, and a view's writes reach its
+    base). Checks and shards first, writes last: a refused call writes nothing.
+
+    Raises:
+        PatchError: a DTensor target whose shape the op changed.
+        MixedTensorError, RuntimeError: a plain target that cannot take the full result
+            (:func:`_check_plain_targets`).
     """
     dtensor = dtensor_class()
     plain = [(t, c) for t, c in targets if not isinstance(t, dtensor)]
@@ -192,14 +243,16 @@ def _write_back(
                 f"({list(target.shape)} -> {list(copy.shape)}): a DTensor's shape "
                 "cannot change in place; use the out-of-place op"
             ) from error
+    _check_plain_targets(op, mesh, plain, error)
     shards = [
         (target, shard_of(copy, target.device_mesh, target.placements)) for target, copy in targets
     ]
-    for target, shard in shards:
-        local_tensor(target).copy_(shard)
     for target, copy in plain:
         if target.shape != copy.shape:
             target.resize_(copy.shape)
+    for target, shard in shards:
+        local_tensor(target).copy_(shard)
+    for target, copy in plain:
         target.copy_(copy)
 
 
@@ -246,7 +299,8 @@ def run_gathered(
        placements by keeping this rank's chunk, with no communication; any other output is
        ``Replicate()``;
     4. in-place and ``out=`` calls write this rank's shard of the full result into the
-       caller's local tensor (placements kept), after the whole computation succeeded;
+       caller's local tensor (placements kept), and the full result into a plain target
+       (one torch reads as the same on every rank), after the whole computation succeeded;
     5. random ops run on every rank and the result of mesh coordinate ``(0, …, 0)`` is
        broadcast, so every rank holds the same values;
     6. a view op's result is a tracked view (:mod:`.tracked_views`): a copy, whose writes are
@@ -256,6 +310,8 @@ def run_gathered(
         PatchError: DTensor arguments on different meshes; an in-place op that changes the
             shape of its target; a view op on torch 2.10 or 2.11, where the view's writes
             could not reach its base (:func:`_check_view_writable`).
+        MixedTensorError: a plain write target whose meaning is ambiguous (more than one
+            element, outside ``implicit_replication()``); nothing is written.
         Exception: whatever the op raises on the full plain tensors; nothing is written then.
     """
     dtensor = dtensor_class()
@@ -291,7 +347,7 @@ def run_gathered(
             targets = [(t, _broadcast_from_origin(c, mesh)) for t, c in targets]
         fallback_report.count(op, placements, moved, reason)
         if targets:
-            _write_back(op, targets, error)
+            _write_back(op, mesh, targets, error)
             by_copy = {id(copy): target for target, copy in targets}
 
             def result(v: Any) -> Any:
