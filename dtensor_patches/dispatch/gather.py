@@ -15,7 +15,8 @@ convolution layout torch's handler does not compute). It depends on no patch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,6 +26,7 @@ from dtensor_patches._torch.dtensors import (
     full_tensor,
     local_tensor,
 )
+from dtensor_patches._torch.modes import current_autograd_node, queue_backward_callback
 from dtensor_patches._torch.schemas import (
     argument_names,
     is_random,
@@ -282,6 +284,72 @@ def _check_view_writable(op: Any, placements: str, error: BaseException | None) 
     ) from error
 
 
+_ZEROS_HOOKED = "dtensor_patches.plain_zero_grads"
+"""The key a hooked autograd node carries in its ``metadata`` (hooked once)."""
+
+
+def _plain_zero_grads(
+    op: Any, mesh: DeviceMesh, like: Sequence[Any], grad_inputs: Sequence[Any]
+) -> tuple[Any, ...] | None:
+    """The gradients a fallback op's own backward node gives its DTensor inputs, with plain
+    zeros made DTensors (placed like the input of their shape, else ``Replicate()``).
+
+    torch's derivative formulas that only need an input's shape (``zeros_like(self)``, e.g.
+    ``reflection_pad1d_backward``'s gradient for ``self``) save a ``TypeAndSize`` and build
+    ``at::zeros(sizes, options)``: a plain tensor, whatever the input's subclass. Beside the
+    DTensor gradient of the same input, autograd's sum of the two then fails with ``got mixed
+    torch.Tensor and DTensor`` (issue 23, item 19). Zeros hold the same values on every rank,
+    so the DTensor reading is certain.
+
+    Raises:
+        PatchError: a plain gradient that is not all zeros (it is not the zeros above, and
+            what it holds on each rank is not known): double backward through ``op`` is not
+            supported then.
+    """
+    dtensor = dtensor_class()
+    if not any(isinstance(g, torch.Tensor) and not isinstance(g, dtensor) for g in grad_inputs):
+        return None
+    fixed = []
+    for g in grad_inputs:
+        if isinstance(g, torch.Tensor) and not isinstance(g, dtensor):
+            if bool(g.any()):
+                raise PatchError(
+                    f"double backward through {op} (run by the dtensor_patches fallback) is not "
+                    f"supported: its backward gave a plain tensor of shape {list(g.shape)} for "
+                    "a DTensor input"
+                )
+            g = _describe(mesh, g, like)
+        fixed.append(g)
+    return tuple(fixed)
+
+
+def _hook_double_backward(op: Any, mesh: DeviceMesh, leaves: Sequence[Any], out: Any) -> None:
+    """Inside a backward that builds a graph (``create_graph=True``): once this backward is
+    done, hook the autograd node of each output of ``op`` (the node of its double backward)
+    with :func:`_plain_zero_grads`. Only when every tensor argument is a DTensor (a plain
+    tensor's gradient is plain by right)."""
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    like = [
+        SimpleNamespace(shape=leaf.shape, device_mesh=leaf.device_mesh, placements=leaf.placements)
+        for leaf in leaves
+    ]
+
+    def hook(grad_inputs: Sequence[Any], _grad_outputs: Sequence[Any]) -> Any:
+        return _plain_zero_grads(op, mesh, like, grad_inputs)
+
+    def register() -> None:
+        for t in outputs:
+            node = t.grad_fn
+            if node is None:
+                continue
+            metadata = cast("dict[str, Any]", node.metadata)
+            if not metadata.get(_ZEROS_HOOKED):
+                metadata[_ZEROS_HOOKED] = True
+                node.register_hook(hook)
+
+    queue_backward_callback(register)
+
+
 def run_gathered(
     op: Any,
     args: tuple[Any, ...],
@@ -324,6 +392,17 @@ def run_gathered(
             "onto one mesh first"
         ) from error
     moved = 0
+    # A backward op run while a backward builds a graph (create_graph=True): its double
+    # backward's node is hooked (item 19). Checked only here, on the fallback's path.
+    double_backward = (
+        torch.is_grad_enabled()
+        and current_autograd_node() is not None
+        and all(
+            isinstance(x, dtensor)
+            for x in tree_flatten((args, kwargs))[0]
+            if isinstance(x, torch.Tensor)
+        )
+    )
 
     def gather(value: Any) -> Any:
         nonlocal moved
@@ -359,6 +438,8 @@ def run_gathered(
         described = tree_map(
             lambda v: _describe(mesh, v, leaves) if isinstance(v, torch.Tensor) else v, out
         )
+    if double_backward:
+        _hook_double_backward(op, mesh, leaves, described)
     if args and isinstance(args[0], dtensor) and is_view_op(op):
         # A view cannot alias across ranks: its values are a copy, and an in-place write into
         # it is carried into the tensor it was made from.
