@@ -17,7 +17,13 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-__all__ = ["current_autograd_node", "dispatch_mode_class", "finish_inplace_view", "foreach_norm"]
+__all__ = [
+    "current_autograd_node",
+    "dispatch_mode_class",
+    "finish_inplace_view",
+    "foreach_norm",
+    "queue_backward_callback",
+]
 
 
 def dispatch_mode_class() -> type:
@@ -37,6 +43,22 @@ def current_autograd_node() -> Any:
         PatchError: the function moved.
     """
     return attribute(torch._C, "_current_autograd_node", "torch._C._current_autograd_node")()
+
+
+def queue_backward_callback(callback: Any) -> None:
+    """Run ``callback()`` once the backward pass running on this thread has finished (every
+    node's outputs then carry their ``grad_fn``); call only inside backward
+    (:func:`current_autograd_node` not ``None``). ``Variable._execution_engine.queue_callback``,
+    as FSDP uses it.
+
+    Raises:
+        PatchError: the engine's ``queue_callback`` moved.
+        RuntimeError: called outside a backward pass (torch's message).
+    """
+    engine = attribute(
+        torch.autograd.Variable, "_execution_engine", "torch.autograd.Variable._execution_engine"
+    )
+    attribute(engine, "queue_callback", "Variable._execution_engine.queue_callback")(callback)
 
 
 def finish_inplace_view(

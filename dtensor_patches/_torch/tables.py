@@ -36,6 +36,7 @@ __all__ = [
     "has_native_handler",
     "has_native_strategy",
     "has_single_dim_strategy",
+    "implicit_replication_on",
     "native_registry",
     "op_dispatcher",
     "register_custom_handler",
@@ -79,6 +80,13 @@ def sharding_propagator() -> Any:
     return attribute(
         op_dispatcher(), "sharding_propagator", "DTensor._op_dispatcher.sharding_propagator"
     )
+
+
+def implicit_replication_on() -> bool:
+    """Whether ``torch.distributed.tensor.experimental.implicit_replication()`` is in effect
+    (``DTensor._op_dispatcher._allow_implicit_replication``, 2.9 to 2.15): plain tensors beside
+    DTensors are then taken as ``Replicate()``. ``False`` if the flag moved."""
+    return bool(getattr(op_dispatcher(), "_allow_implicit_replication", False))
 
 
 def custom_op_handlers() -> dict[OpOverload, Callable[..., object]]:

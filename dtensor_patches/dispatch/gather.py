@@ -15,7 +15,8 @@ convolution layout torch's handler does not compute). It depends on no patch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,6 +26,7 @@ from dtensor_patches._torch.dtensors import (
     full_tensor,
     local_tensor,
 )
+from dtensor_patches._torch.modes import current_autograd_node, queue_backward_callback
 from dtensor_patches._torch.schemas import (
     argument_names,
     is_random,
@@ -33,6 +35,7 @@ from dtensor_patches._torch.schemas import (
     tree_map,
     written_positions,
 )
+from dtensor_patches._torch.tables import implicit_replication_on
 from dtensor_patches._torch.versions import subclass_dispatch_honoured
 from dtensor_patches.dispatch import fallback_report, tracked_views
 from dtensor_patches.dispatch.shards import (
@@ -102,13 +105,14 @@ def placements_text(leaves: Sequence[Any]) -> str:
 
 def _scratch(original: Any, full: Any, targets: list[tuple[Any, torch.Tensor]]) -> Any:
     """Copies of a written argument's full tensors (a tensor or a list of them) for the op to
-    write into; each DTensor among them is recorded in ``targets`` with its copy."""
+    write into; each tensor among them (a DTensor, or a plain ``out=``/``self`` tensor) is
+    recorded in ``targets`` with its copy."""
     if isinstance(full, (list, tuple)):
         return type(full)(_scratch(o, f, targets) for o, f in zip(original, full, strict=True))
     if not isinstance(full, torch.Tensor):
         return full
     copy = full.clone()
-    if isinstance(original, dtensor_class()):
+    if isinstance(original, torch.Tensor):
         targets.append((original, copy))
     return copy
 
@@ -170,9 +174,69 @@ def _with_scratch_targets(
     return full_args, full_kwargs
 
 
-def _write_back(
-    op: Any, targets: list[tuple[Any, torch.Tensor]], error: BaseException | None
+def _check_plain_targets(
+    op: Any, mesh: DeviceMesh, targets: list[tuple[Any, torch.Tensor]], error: BaseException | None
 ) -> None:
+    """Refuse, before anything is written, a plain target the full result cannot go into.
+
+    A plain ``out=``/``self`` tensor beside DTensors gets the full result on every rank, which
+    is right only where it is read as the same on every rank: torch takes it so when it has
+    one element or inside ``implicit_replication()`` (the fallback runs only after torch took
+    it so; a patch handler sees the call before that check). The writes torch's own kernels
+    refuse (an ``expand``-ed target, a resize of a storage that cannot grow) are refused with
+    torch's message here, where the op wrote into a copy.
+
+    Raises:
+        MixedTensorError: a plain target of more than one element outside
+            ``implicit_replication()`` (what it should hold is ambiguous).
+        RuntimeError: a target with elements that share memory, or one to resize whose
+            storage is not resizable (torch's messages).
+    """
+    from dtensor_patches.dispatch.mixed import ambiguity_error
+
+    for target, copy in targets:
+        if target.numel() != 1 and not implicit_replication_on():
+            raise ambiguity_error(
+                op,
+                target,
+                mesh,
+                RuntimeError(
+                    f"{op}: got mixed torch.Tensor and DTensor, need to convert all "
+                    "torch.Tensor to DTensor before calling distributed operators!"
+                ),
+            ) from error
+        if any(n > 1 and s == 0 for n, s in zip(target.shape, target.stride(), strict=True)):
+            raise RuntimeError(
+                "unsupported operation: more than one element of the written-to tensor refers "
+                "to a single memory location. Please clone() the tensor before performing the "
+                "operation."
+            ) from error
+        if target.shape != copy.shape:
+            needed = (target.storage_offset() + copy.numel()) * target.element_size()
+            storage = target.untyped_storage()
+            if needed > storage.nbytes() and not storage.resizable():
+                raise RuntimeError("Trying to resize storage that is not resizable") from error
+
+
+def _write_back(
+    op: Any,
+    mesh: DeviceMesh,
+    targets: list[tuple[Any, torch.Tensor]],
+    error: BaseException | None,
+) -> None:
+    """Write every target: a DTensor gets this rank's shard of its full result, a plain tensor
+    the full result itself (read as the same on every rank, as torch reads a plain argument
+    it accepts; an ``out=`` one is resized as ``out=`` resizes, and a view's writes reach its
+    base). Checks and shards first, writes last: a refused call writes nothing.
+
+    Raises:
+        PatchError: a DTensor target whose shape the op changed.
+        MixedTensorError, RuntimeError: a plain target that cannot take the full result
+            (:func:`_check_plain_targets`).
+    """
+    dtensor = dtensor_class()
+    plain = [(t, c) for t, c in targets if not isinstance(t, dtensor)]
+    targets = [(t, c) for t, c in targets if isinstance(t, dtensor)]
     for target, copy in targets:
         if tuple(copy.shape) != tuple(target.shape):
             # resize_ and friends: a DTensor's global shape cannot change in place.
@@ -181,11 +245,17 @@ def _write_back(
                 f"({list(target.shape)} -> {list(copy.shape)}): a DTensor's shape "
                 "cannot change in place; use the out-of-place op"
             ) from error
+    _check_plain_targets(op, mesh, plain, error)
     shards = [
         (target, shard_of(copy, target.device_mesh, target.placements)) for target, copy in targets
     ]
+    for target, copy in plain:
+        if target.shape != copy.shape:
+            target.resize_(copy.shape)
     for target, shard in shards:
         local_tensor(target).copy_(shard)
+    for target, copy in plain:
+        target.copy_(copy)
 
 
 def _check_view_writable(op: Any, placements: str, error: BaseException | None) -> None:
@@ -214,6 +284,72 @@ def _check_view_writable(op: Any, placements: str, error: BaseException | None) 
     ) from error
 
 
+_ZEROS_HOOKED = "dtensor_patches.plain_zero_grads"
+"""The key a hooked autograd node carries in its ``metadata`` (hooked once)."""
+
+
+def _plain_zero_grads(
+    op: Any, mesh: DeviceMesh, like: Sequence[Any], grad_inputs: Sequence[Any]
+) -> tuple[Any, ...] | None:
+    """The gradients a fallback op's own backward node gives its DTensor inputs, with plain
+    zeros made DTensors (placed like the input of their shape, else ``Replicate()``).
+
+    torch's derivative formulas that only need an input's shape (``zeros_like(self)``, e.g.
+    ``reflection_pad1d_backward``'s gradient for ``self``) save a ``TypeAndSize`` and build
+    ``at::zeros(sizes, options)``: a plain tensor, whatever the input's subclass. Beside the
+    DTensor gradient of the same input, autograd's sum of the two then fails with ``got mixed
+    torch.Tensor and DTensor`` (issue 23, item 19). Zeros hold the same values on every rank,
+    so the DTensor reading is certain.
+
+    Raises:
+        PatchError: a plain gradient that is not all zeros (it is not the zeros above, and
+            what it holds on each rank is not known): double backward through ``op`` is not
+            supported then.
+    """
+    dtensor = dtensor_class()
+    if not any(isinstance(g, torch.Tensor) and not isinstance(g, dtensor) for g in grad_inputs):
+        return None
+    fixed = []
+    for g in grad_inputs:
+        if isinstance(g, torch.Tensor) and not isinstance(g, dtensor):
+            if bool(g.any()):
+                raise PatchError(
+                    f"double backward through {op} (run by the dtensor_patches fallback) is not "
+                    f"supported: its backward gave a plain tensor of shape {list(g.shape)} for "
+                    "a DTensor input"
+                )
+            g = _describe(mesh, g, like)
+        fixed.append(g)
+    return tuple(fixed)
+
+
+def _hook_double_backward(op: Any, mesh: DeviceMesh, leaves: Sequence[Any], out: Any) -> None:
+    """Inside a backward that builds a graph (``create_graph=True``): once this backward is
+    done, hook the autograd node of each output of ``op`` (the node of its double backward)
+    with :func:`_plain_zero_grads`. Only when every tensor argument is a DTensor (a plain
+    tensor's gradient is plain by right)."""
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    like = [
+        SimpleNamespace(shape=leaf.shape, device_mesh=leaf.device_mesh, placements=leaf.placements)
+        for leaf in leaves
+    ]
+
+    def hook(grad_inputs: Sequence[Any], _grad_outputs: Sequence[Any]) -> Any:
+        return _plain_zero_grads(op, mesh, like, grad_inputs)
+
+    def register() -> None:
+        for t in outputs:
+            node = t.grad_fn
+            if node is None:
+                continue
+            metadata = cast("dict[str, Any]", node.metadata)
+            if not metadata.get(_ZEROS_HOOKED):
+                metadata[_ZEROS_HOOKED] = True
+                node.register_hook(hook)
+
+    queue_backward_callback(register)
+
+
 def run_gathered(
     op: Any,
     args: tuple[Any, ...],
@@ -231,7 +367,8 @@ def run_gathered(
        placements by keeping this rank's chunk, with no communication; any other output is
        ``Replicate()``;
     4. in-place and ``out=`` calls write this rank's shard of the full result into the
-       caller's local tensor (placements kept), after the whole computation succeeded;
+       caller's local tensor (placements kept), and the full result into a plain target
+       (one torch reads as the same on every rank), after the whole computation succeeded;
     5. random ops run on every rank and the result of mesh coordinate ``(0, …, 0)`` is
        broadcast, so every rank holds the same values;
     6. a view op's result is a tracked view (:mod:`.tracked_views`): a copy, whose writes are
@@ -241,6 +378,8 @@ def run_gathered(
         PatchError: DTensor arguments on different meshes; an in-place op that changes the
             shape of its target; a view op on torch 2.10 or 2.11, where the view's writes
             could not reach its base (:func:`_check_view_writable`).
+        MixedTensorError: a plain write target whose meaning is ambiguous (more than one
+            element, outside ``implicit_replication()``); nothing is written.
         Exception: whatever the op raises on the full plain tensors; nothing is written then.
     """
     dtensor = dtensor_class()
@@ -253,6 +392,17 @@ def run_gathered(
             "onto one mesh first"
         ) from error
     moved = 0
+    # A backward op run while a backward builds a graph (create_graph=True): its double
+    # backward's node is hooked (item 19). Checked only here, on the fallback's path.
+    double_backward = (
+        torch.is_grad_enabled()
+        and current_autograd_node() is not None
+        and all(
+            isinstance(x, dtensor)
+            for x in tree_flatten((args, kwargs))[0]
+            if isinstance(x, torch.Tensor)
+        )
+    )
 
     def gather(value: Any) -> Any:
         nonlocal moved
@@ -276,7 +426,7 @@ def run_gathered(
             targets = [(t, _broadcast_from_origin(c, mesh)) for t, c in targets]
         fallback_report.count(op, placements, moved, reason)
         if targets:
-            _write_back(op, targets, error)
+            _write_back(op, mesh, targets, error)
             by_copy = {id(copy): target for target, copy in targets}
 
             def result(v: Any) -> Any:
@@ -288,6 +438,8 @@ def run_gathered(
         described = tree_map(
             lambda v: _describe(mesh, v, leaves) if isinstance(v, torch.Tensor) else v, out
         )
+    if double_backward:
+        _hook_double_backward(op, mesh, leaves, described)
     if args and isinstance(args[0], dtensor) and is_view_op(op):
         # A view cannot alias across ranks: its values are a copy, and an in-place write into
         # it is carried into the tensor it was made from.
