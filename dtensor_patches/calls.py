@@ -36,12 +36,20 @@ class Call:
             ``"P(sum)"``, or ``"tensor"`` for a plain ``torch.Tensor`` (0-dim ones included).
         count: how many calls had this key.
         uneven: some call had a sharded dim whose size the mesh dim does not divide.
+        ran: how many calls returned without computing on gathered inputs (a strategy, a
+            handler or a decomposition ran them).
+        gathered: how many were computed on gathered inputs (the fallback took a refusal,
+            or a patch that gathers by nature ran them).
+        raised: the first line of the first error a call raised, ``""`` if none did.
     """
 
     op: str
     inputs: tuple[str, ...]
     count: int = 0
     uneven: bool = False
+    ran: int = 0
+    gathered: int = 0
+    raised: str = ""
 
     @property
     def partial_inputs(self) -> bool:
@@ -61,6 +69,9 @@ class Call:
             "inputs": list(self.inputs),
             "count": self.count,
             "uneven": self.uneven,
+            "ran": self.ran,
+            "gathered": self.gathered,
+            "raised": self.raised,
         }
 
 

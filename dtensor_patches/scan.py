@@ -19,7 +19,9 @@ would fall back.
 
 What it cannot predict, and says so: a step may call other ops on another release (other
 decompositions, other model code paths); an op torch decomposes (CompositeImplicitAutograd)
-runs as the ops of its decomposition there, which the scan does not see; and a patch's bug
+runs as the ops of its decomposition there, which the scan does not see (from 2.11 DTensor
+also propagates placements through an op's ``torch._decomp`` entry: the data file counts those
+ops as decomposed too); and a patch's bug
 that depends on more than the placements (a negative ``dim``, a dtype, ties) is reported as
 "may", not as certain.
 """
@@ -73,7 +75,9 @@ def _describe(value: Any, dtensor: type, out: list[str], uneven: list[bool]) -> 
 
 class Scan:
     """What a :func:`scan` block recorded: :attr:`calls` by ``(op, inputs)``, in first-use
-    order, and :attr:`error` (the exception that ended the block, if any, as text)."""
+    order, each with its outcome on this release; :attr:`error` (the exception that ended the
+    block, if any, as text); :attr:`patched` (patches or the fallback were applied while it
+    ran, so an op that ran may owe it to them)."""
 
     def __init__(self) -> None:
         import torch
@@ -81,17 +85,22 @@ class Scan:
         self.torch = torch.__version__
         self.calls: dict[tuple[str, tuple[str, ...]], Call] = {}
         self.error: str | None = None
+        self.patched = False
         self._lock = threading.Lock()
 
-    def record(self, op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        """Record one call (called by the dispatch mode; ignores calls without a DTensor)."""
+    def record(self, op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Call | None:
+        """Record one call (called by the dispatch mode; ignores calls without a DTensor).
+
+        Returns:
+            The call's :class:`Call` (its outcome is added with :meth:`observe`), or ``None``.
+        """
         from torch.distributed.tensor import DTensor
 
         inputs: list[str] = []
         uneven = [False]
         _describe(list(args) + list(kwargs.values()), DTensor, inputs, uneven)
         if not any(i != "tensor" for i in inputs):
-            return
+            return None
         key = (str(op), tuple(inputs))
         with self._lock:
             call = self.calls.get(key)
@@ -99,6 +108,18 @@ class Scan:
                 call = self.calls[key] = Call(key[0], key[1])
             call.count += 1
             call.uneven = call.uneven or uneven[0]
+        return call
+
+    def observe(self, call: Call, *, gathered: bool = False, raised: str = "") -> None:
+        """Add one call's outcome on this release: it ran, was computed on gathered inputs,
+        or raised (``raised``: the error's first line)."""
+        with self._lock:
+            if raised:
+                call.raised = call.raised or raised
+            elif gathered:
+                call.gathered += 1
+            else:
+                call.ran += 1
 
     def merge(self, other: Scan | Mapping[str, Any]) -> None:
         """Add another rank's record (a :class:`Scan` or its :meth:`to_dict`)."""
@@ -108,7 +129,11 @@ class Scan:
             call = self.calls.setdefault(key, Call(*key))
             call.count = max(call.count, item["count"])
             call.uneven = call.uneven or item["uneven"]
+            call.ran = max(call.ran, item.get("ran", 0))
+            call.gathered = max(call.gathered, item.get("gathered", 0))
+            call.raised = call.raised or item.get("raised", "")
         self.error = self.error or data.get("error")
+        self.patched = self.patched or bool(data.get("patched", False))
 
     @property
     def ops(self) -> list[str]:
@@ -120,6 +145,7 @@ class Scan:
             "torch": self.torch,
             "calls": [c.to_dict() for c in self.calls.values()],
             "error": self.error,
+            "patched": self.patched,
         }
 
     @classmethod
@@ -149,16 +175,29 @@ def scan() -> Iterator[Scan]:
     Raises:
         PatchError: the dispatch-mode API moved in this torch.
     """
+    from dtensor_patches import registry
     from dtensor_patches._torch.modes import dispatch_mode_class
+    from dtensor_patches.dispatch.fallback import mode as fallback_mode
+    from dtensor_patches.dispatch.fallback_report import gathered_on_this_thread
 
     found = Scan()
+    found.patched = fallback_mode() != "off" or any(p.is_applied for p in registry.all_patches())
     mode_class = dispatch_mode_class()
 
     class _Recorder(mode_class):  # type: ignore[misc, valid-type]
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
-            found.record(func, args, kwargs)
-            return func(*args, **kwargs)
+            call = found.record(func, args, kwargs)
+            if call is None:
+                return func(*args, **kwargs)
+            before = gathered_on_this_thread()
+            try:
+                result = func(*args, **kwargs)
+            except Exception as exc:
+                found.observe(call, raised=first_line(exc))
+                raise
+            found.observe(call, gathered=gathered_on_this_thread() != before)
+            return result
 
     try:
         with _Recorder():
@@ -209,8 +248,9 @@ class Finding:
     """What one release does with one recorded call.
 
     ``kind``: ``"missing"`` (no strategy or handler; see ``patches``/``fallback``),
-    ``"decomposes"`` (no strategy, torch runs the op's CompositeImplicitAutograd decomposition:
-    not predicted further), ``"wrong"``/``"fails"`` (a patch's reproducer measured this
+    ``"decomposes"`` (no strategy, DTensor decomposes the op there, by its
+    CompositeImplicitAutograd kernel or, from 2.11, its ``torch._decomp`` entry; stock torch
+    may still refuse a part, which ``apply_all()``'s fallback takes), ``"wrong"``/``"fails"`` (a patch's reproducer measured this
     release's stock torch wrong or raising on this case; ``certain`` is ``False`` when the
     placements cannot tell whether the call is that case), ``"absent"`` (no such op there).
     ``patches``: the patches that cover it there (``apply_all()``); ``fallback``: no patch does
@@ -277,12 +317,15 @@ class ReleaseVerdict:
         return "runs"
 
     def patched(self) -> str:
-        uncovered = [
-            f for f in self.findings if f.kind in ("missing", "wrong", "fails") and not f.patches
-        ]
-        if any(f.kind == "missing" for f in uncovered) or any(f.certain for f in uncovered):
-            return "fails" if any(f.kind != "wrong" for f in uncovered) else "wrong"
-        if uncovered or self.of_kind("decomposes", "absent"):
+        """With ``apply_all()``: ``"runs"`` where every finding is covered by a patch, taken by
+        the fallback (an op without strategy or patch; the default ``"warn"`` mode runs it) or
+        decomposed by torch (its parts that DTensor refuses go to the fallback too);
+        ``"wrong"``/``"fails"`` where a measured bug has no patch in its gate there;
+        ``"check"`` where such a bug may be the case or the op is absent from the release."""
+        unfixed = [f for f in self.of_kind("wrong", "fails") if not f.patches]
+        if any(f.certain for f in unfixed):
+            return "fails" if any(f.kind == "fails" and f.certain for f in unfixed) else "wrong"
+        if unfixed or self.of_kind("absent"):
             return "check"
         return "runs"
 
@@ -309,33 +352,77 @@ def _covering(op: str, facts: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def verdict_for(found: Scan, release: str, facts: Mapping[str, Any]) -> ReleaseVerdict:
-    """The findings of one release (``facts``: its entry in the data file)."""
+    """The findings of one release (``facts``: its entry in the data file).
+
+    An op with neither a strategy nor a decomposition there is ``"missing"`` (a patch or the
+    fallback takes it). An op DTensor runs, by its strategy or by decomposing it, is then
+    checked against each patch's measured stock result for that op: a decomposed op can be
+    silently wrong too (``mse_loss(reduction="mean")`` of uneven shards on 2.11 and later).
+    On the release the scan was recorded on, what each call did decides instead of the
+    registry facts where it can (:func:`_ran_on_stock`): a decomposition that worked, or one
+    that torch refused after all.
+    """
     has = set(facts["strategies"]) | set(facts["single_dim"]) | set(facts["handlers"])
     decomposes, absent = set(facts["decomposes"]), set(facts["absent"])
+    here = _release_of(found.torch) == _release_of(facts["torch"])
     out = ReleaseVerdict(release, facts["torch"])
     for call in found.calls.values():
         if call.op in absent:
             out.findings.append(Finding(call, "absent"))
             continue
-        if call.op not in has:
-            patches = _covering(call.op, facts)
-            if call.op in decomposes and not patches:
-                out.findings.append(Finding(call, "decomposes"))
-            else:
-                out.findings.append(Finding(call, "missing", patches))
+        runs = call.op in has
+        decomposed = not runs and call.op in decomposes
+        seen = _ran_on_stock(call, found, facts) if here else None
+        if seen is not None:
+            runs, decomposed = seen, False
+        if not runs and not decomposed:
+            out.findings.append(Finding(call, "missing", _covering(call.op, facts)))
             continue
-        for name, p in facts["patches"].items():
-            kind = _stock_kind(p["stock"])
-            if kind is None or call.op not in p["ops"]:
-                continue
-            if "does not have a sharding strategy" in p["stock"]:
-                continue  # a missing strategy: the registry facts decide per op
-            hit = _trigger(name, call)
-            if hit is False:
-                continue
-            fix = (name,) if p["in_gate"] else ()
-            out.findings.append(Finding(call, kind, fix, certain=bool(hit), detail=p["stock"]))
+        measured = _measured_bugs(call, facts)
+        if decomposed and not measured:
+            out.findings.append(Finding(call, "decomposes", _covering(call.op, facts)))
+        out.findings.extend(measured)
     return out
+
+
+def _release_of(version: str) -> str:
+    from packaging.version import Version
+
+    return Version(version).base_version
+
+
+def _ran_on_stock(call: Call, found: Scan, facts: Mapping[str, Any]) -> bool | None:
+    """Whether stock torch runs ``call`` (no strategy missing), from what the recorded calls
+    did: ``False`` when one raised torch's missing-strategy error, or was computed on gathered
+    inputs with no patch of the op installed (the fallback took a refusal); ``True`` when a
+    stock scan (no patches, no fallback) saw them all run; ``None`` when it cannot be told (in
+    a patched scan an op that ran may owe it to a patch of the ops it decomposes into)."""
+    if "does not have a sharding strategy" in call.raised:
+        return False
+    if call.gathered and not _covering(call.op, facts):
+        return False
+    if call.ran and not call.gathered and not call.raised and not found.patched:
+        return True
+    return None
+
+
+def _measured_bugs(call: Call, facts: Mapping[str, Any]) -> list[Finding]:
+    """The ``"wrong"``/``"fails"`` findings of ``call``: each patch whose reproducer measured
+    this release's stock torch wrong or raising on one of the patch's ops, where the patch's
+    ``concerns`` predicate does not rule the call out."""
+    found = []
+    for name, p in facts["patches"].items():
+        kind = _stock_kind(p["stock"])
+        if kind is None or call.op not in p["ops"]:
+            continue
+        if "does not have a sharding strategy" in p["stock"]:
+            continue  # a missing strategy: the registry facts decide per op
+        hit = _trigger(name, call)
+        if hit is False:
+            continue
+        fix = (name,) if p["in_gate"] else ()
+        found.append(Finding(call, kind, fix, certain=bool(hit), detail=p["stock"]))
+    return found
 
 
 @dataclass

@@ -20,8 +20,10 @@ LEGEND = (
     "patch: no strategy in stock torch, a patch covers it; fallbk: no strategy and no patch "
     "(the call fallback would take it); WRONG/FAILS: a patch's reproducer measured stock torch "
     "wrong/raising on this case (fixed by that patch); wrong?/fails?: the same, but the "
-    "placements cannot tell whether the call is that case; decomp: no strategy, torch runs its "
-    "decomposition (not predicted); absent: no such op in that release"
+    "placements cannot tell whether the call is that case; decomp: no strategy, DTensor "
+    "decomposes it (stock torch may still refuse a part; with apply_all() the fallback takes "
+    "it); absent: no such op in that release. On the release the scan ran on, what each call "
+    "did decides where it can"
 )
 
 
@@ -52,7 +54,7 @@ def _describe(finding: Finding) -> str:
         maybe = "" if finding.certain else "may be the measured case: "
         return f"{what}: {maybe}{finding.detail} ({fix})"
     if finding.kind == "decomposes":
-        return f"{what}: no strategy; torch decomposes it (its parts not predicted)"
+        return f"{what}: no strategy; DTensor decomposes it (its parts not predicted)"
     return f"{what}: not in this release"
 
 

@@ -3,6 +3,7 @@ data against the running torch, and the Qwen2 TP + SP example's prediction again
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -250,3 +251,126 @@ def test_qwen2_prediction_for_this_release_matches_a_real_run() -> None:
     for name in sorted(certain) if len(needed) > 1 else ():
         without = _run_example("--only", *[n for n in needed if n != name])
         assert not without["ok"], (name, without)
+
+
+# --- Ops torch decomposes, or the fallback takes (issue 23, item 16) ----------------------------
+
+
+def _decomposed_cases() -> dict[str, Any]:
+    """Calls a user writes whose op has no strategy on some release: DTensor decomposes it
+    there (2.11+ through ``torch._decomp``), refuses it, or (``mse_loss`` mean of uneven
+    shards) runs it silently wrong. Each: (DTensor inputs -> result, plain inputs -> result)."""
+    import torch
+    import torch.nn.functional as F
+
+    def addr(m: Any, v: Any, w: Any) -> Any:
+        return torch.addr(m, v, w)
+
+    return {
+        "renorm": (lambda x: torch.renorm(x, 2, 0, 1.0), ("S0",)),
+        "trace": (torch.trace, ("S0",)),
+        "rot90": (torch.rot90, ("S0",)),
+        "aminmax": (torch.aminmax, ("S0",)),
+        "addr": (addr, ("S0", "R4", "R4")),
+        "mse_loss": (F.mse_loss, ("S0odd", "S0odd")),
+    }
+
+
+def _decomposed_ops_on_rank(apply: bool) -> dict[str, Any]:
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from dtensor_patches import patched
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"S0": (4, 4), "S0odd": (5, 3), "R4": (4,)}
+    out: dict[str, Any] = {}
+    for name, (fn, kinds) in _decomposed_cases().items():
+        plain = [torch.randn(shapes[k], generator=gen) for k in kinds]
+        placed = [
+            distribute_tensor(t, mesh, [Replicate() if k.startswith("R") else Shard(0)])
+            for t, k in zip(plain, kinds, strict=True)
+        ]
+        expected = fn(*plain)
+        outcome = "right"
+        with patched() if apply else contextlib.nullcontext():
+            try:
+                with scan() as found:
+                    got = fn(*placed)
+            except Exception as exc:  # noqa: BLE001 - the outcome under test
+                outcome = f"raises: {type(exc).__name__}"
+            else:
+                pairs = zip(
+                    got if isinstance(got, tuple) else (got,),
+                    expected if isinstance(expected, tuple) else (expected,),
+                    strict=True,
+                )
+                for g, e in pairs:
+                    full = g.full_tensor() if isinstance(g, DTensor) else g
+                    if full.shape != e.shape or not torch.allclose(full, e, atol=1e-6):
+                        outcome = "wrong"
+        out[name] = {"found": found.to_dict(), "outcome": outcome}
+    return out
+
+
+def _stock_word(outcome: str) -> str:
+    return {"right": "runs", "wrong": "wrong"}.get(outcome, "fails")
+
+
+def test_scan_predicts_decomposed_and_fallback_ops_as_they_run(pool2: RankPool) -> None:
+    """On the running release the prediction is what the calls did: torch's decomposition
+    runs ``trace``/``rot90``/``aminmax``/``addr`` where it does (not "no strategy"),
+    ``renorm`` fails on stock, ``mse_loss`` mean of uneven shards is silently wrong where it
+    is (not "fails"); with ``apply_all()`` every release is predicted to run (a patch, the
+    fallback or the decomposition takes each), and the patched results are the single
+    device's. Recorded once on stock torch and once with the patches applied."""
+    _running_release_facts()
+    stock = pool2.run(_decomposed_ops_on_rank, False)[0]
+    with_patches = pool2.run(_decomposed_ops_on_rank, True)[0]
+    for name in _decomposed_cases():
+        measured = _stock_word(stock[name]["outcome"])
+        assert with_patches[name]["outcome"] == "right", (name, with_patches[name])
+        for recorded in (stock[name], with_patches[name]):
+            report = Scan.from_dict(recorded["found"]).report()
+            (here,) = report.verdicts_for(RELEASE)
+            # A patched scan cannot see whether stock torch would run a decomposed op (a
+            # patch may fix one of its parts): "check" is the honest answer there.
+            unsure = recorded is with_patches[name] and here.of_kind("decomposes")
+            assert here.stock() == ("check" if unsure else measured), (name, recorded, here)
+            for verdict in report.verdicts:
+                assert verdict.patched() == "runs", (name, verdict.release, verdict.findings)
+            if measured == "runs" and recorded is stock[name]:
+                assert not here.missing and not here.of_kind("decomposes"), (name, here)
+
+
+def decomposed_step() -> None:
+    """A step for ``dtensor-patches scan --apply-all --require`` (module level: ranks import
+    it by name): every op of :func:`_decomposed_cases` once."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    shapes = {"S0": (4, 4), "S0odd": (5, 3), "R4": (4,)}
+    for fn, kinds in _decomposed_cases().values():
+        fn(
+            *(
+                distribute_tensor(
+                    torch.ones(shapes[k]), mesh, [Replicate() if k.startswith("R") else Shard(0)]
+                )
+                for k in kinds
+            )
+        )
+
+
+def test_cli_require_passes_a_step_the_fallback_and_decompositions_run() -> None:
+    from dtensor_patches.cli import main
+
+    releases = list(release_data()["releases"])
+    assert (
+        main(["scan", "tests.test_scan:decomposed_step", "--apply-all", "--require", *releases])
+        == 0
+    )

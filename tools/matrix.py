@@ -86,13 +86,14 @@ def registry_facts() -> dict[str, Any]:
     """This interpreter's registry facts for the scan data file (no ranks, no reproducers).
 
     ``strategies``/``single_dim``/``handlers``: torch's own entries
-    (:func:`dtensor_patches._torch.tables.native_registry`); ``decomposes``: ops with a
-    CompositeImplicitAutograd kernel and none of those (DTensor decomposes them);
+    (:func:`dtensor_patches._torch.tables.native_registry`); ``decomposes``: ops with none of
+    those that DTensor decomposes there (a CompositeImplicitAutograd kernel; from 2.11 also a
+    ``torch._decomp`` entry, :func:`dtensor_patches._torch.schemas.dtensor_decomposes`);
     ``aten_ops``: every aten overload; ``installs``: per patch in its gate, the ops
     ``apply_all()`` installs entries for here (``"*"`` for a miss rule on every op).
     """
     from dtensor_patches import patched, registry, state
-    from dtensor_patches._torch.schemas import all_aten_ops, has_decomposition
+    from dtensor_patches._torch.schemas import all_aten_ops, dtensor_decomposes
     from dtensor_patches._torch.tables import native_registry
     from dtensor_patches._torch.versions import torch_version
 
@@ -102,7 +103,7 @@ def registry_facts() -> dict[str, Any]:
     facts: dict[str, Any] = {
         "torch": str(torch_version()),
         **native,
-        "decomposes": [op for op in aten_ops if op not in covered and has_decomposition(op)],
+        "decomposes": [op for op in aten_ops if op not in covered and dtensor_decomposes(op)],
         "aten_ops": aten_ops,
         "installs": {},
     }

@@ -24,6 +24,7 @@ __all__ = [
     "all_aten_ops",
     "argument_names",
     "decomposes",
+    "dtensor_decomposes",
     "has_decomposition",
     "inplace_overload",
     "is_random",
@@ -218,6 +219,31 @@ def has_decomposition(op_name: str) -> bool:
         "torch._C._dispatch_has_kernel_for_dispatch_key",
     )
     return bool(has_kernel(qualified, torch._C.DispatchKey.CompositeImplicitAutograd))
+
+
+def dtensor_decomposes(op_name: str) -> bool:
+    """Whether this release's DTensor runs ``op_name`` (``"aten.op.overload"``), when the op has
+    no strategy, by decomposing it: a CompositeImplicitAutograd kernel (every release), or,
+    where DTensor propagates placements through decompositions (2.11+, see
+    :func:`dtensor_patches._torch.versions.propagates_through_decompositions`), the check
+    DTensor itself makes (``DecompShardingStrategy.has_decomp``: a ``torch._decomp`` entry).
+
+    Raises:
+        PatchError: the decomposition strategy moved in a release that should have it.
+    """
+    from dtensor_patches._torch.access import module
+    from dtensor_patches._torch.versions import propagates_through_decompositions
+
+    if has_decomposition(op_name):
+        return True
+    if not propagates_through_decompositions():
+        return False
+    dotted = "torch.distributed.tensor._decompositions"
+    strategy = attribute(
+        module(dotted), "DecompShardingStrategy", f"{dotted}.DecompShardingStrategy"
+    )
+    has_decomp = attribute(strategy, "has_decomp", f"{dotted}.DecompShardingStrategy.has_decomp")
+    return bool(has_decomp(resolve_op(op_name)))
 
 
 def decomposes(op: OpOverload) -> bool:

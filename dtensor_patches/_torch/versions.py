@@ -7,6 +7,7 @@ from packaging.version import Version
 
 __all__ = [
     "dispatches_in_cpp",
+    "propagates_through_decompositions",
     "subclass_dispatch_honoured",
     "torch_release",
     "torch_version",
@@ -15,6 +16,7 @@ __all__ = [
 
 _CPP_DISPATCH = Version("2.10")
 _SUBCLASS_DISPATCH_AGAIN = Version("2.12")
+_DECOMPOSITION_PROPAGATION = Version("2.11")
 
 
 def torch_version() -> Version:
@@ -59,3 +61,11 @@ def subclass_dispatch_honoured() -> bool:
     """
     release = torch_release()
     return not (_CPP_DISPATCH <= release < _SUBCLASS_DISPATCH_AGAIN)
+
+
+def propagates_through_decompositions() -> bool:
+    """Whether DTensor's sharding propagation, for an op without a strategy, derives one from
+    the op's ``torch._decomp`` decomposition (2.11+,
+    ``torch.distributed.tensor._decompositions.DecompShardingStrategy``): such an op then runs
+    on stock torch instead of raising "does not have a sharding strategy"."""
+    return torch_release() >= _DECOMPOSITION_PROPAGATION

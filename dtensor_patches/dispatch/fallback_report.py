@@ -12,7 +12,14 @@ import logging
 import threading
 from dataclasses import dataclass
 
-__all__ = ["HOT_LOOP_CALLS", "FallbackRecord", "count", "fallback_report", "reset_report"]
+__all__ = [
+    "HOT_LOOP_CALLS",
+    "FallbackRecord",
+    "count",
+    "fallback_report",
+    "gathered_on_this_thread",
+    "reset_report",
+]
 
 log = logging.getLogger("dtensor_patches.fallback")
 
@@ -38,11 +45,13 @@ class FallbackRecord:
 # The counters of this process: a report, not a setting (dtensor_patches.state holds those).
 _LOCK = threading.Lock()
 _RECORDS: dict[tuple[str, str], FallbackRecord] = {}
+_THIS_THREAD = threading.local()  # gathered calls made by each thread, for scan()'s recorder
 
 
 def count(op: object, placements: str, moved: int, reason: str) -> None:
     """Count one gathered call of ``op`` on ``placements`` that moved ``moved`` bytes here."""
     key = (str(op), placements)
+    _THIS_THREAD.calls = getattr(_THIS_THREAD, "calls", 0) + 1
     with _LOCK:
         record = _RECORDS.get(key)
         first = record is None
@@ -77,6 +86,12 @@ def fallback_report() -> list[FallbackRecord]:
     with _LOCK:
         rows = [FallbackRecord(**vars(r)) for r in _RECORDS.values()]
     return sorted(rows, key=lambda r: (-r.bytes, -r.calls, r.op))
+
+
+def gathered_on_this_thread() -> int:
+    """How many calls this thread has computed on gathered inputs so far (never reset):
+    ``scan()`` compares it around a call to see that the call was gathered."""
+    return int(getattr(_THIS_THREAD, "calls", 0))
 
 
 def reset_report() -> None:
