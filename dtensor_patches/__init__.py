@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dtensor_patches.errors import LostWriteError, MixedTensorError, PatchError
+from dtensor_patches.errors import LostWriteError, MixedTensorError, PatchError, RankLocalReadError
 
 if TYPE_CHECKING:
     from dtensor_patches.dispatch.fallback import FALLBACK_ENV
@@ -104,6 +104,7 @@ __all__ = [
     "Patch",
     "PatchError",
     "PatchHealth",
+    "RankLocalReadError",
     "RegistryHealth",
     "Report",
     "Status",

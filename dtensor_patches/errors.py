@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["LostWriteError", "MixedTensorError", "PatchError", "first_line"]
+__all__ = [
+    "LostWriteError",
+    "MixedTensorError",
+    "PatchError",
+    "RankLocalReadError",
+    "first_line",
+]
 
 
 class PatchError(RuntimeError):
@@ -45,6 +51,24 @@ class MixedTensorError(RuntimeError):
         super().__init__(message)
         self.op = op
         self.shape = shape
+
+
+class RankLocalReadError(RuntimeError):
+    """A ``Partial`` DTensor was read as a number (``.item()``, ``float()``, ``int()``) on some
+    ranks only, so its value, which needs every rank's share, cannot be formed.
+
+    Raised by the ``partial_item`` patch (``dtensor_patches.dispatch.scalar_reads``) instead of
+    pairing the read with another collective of the other ranks (issue 23, item 6): on every
+    rank of the read when two different reads met, or after ``DTENSOR_PATCHES_READ_TIMEOUT``
+    seconds on the ranks that made a read the others never make. A ``RuntimeError``.
+
+    Attributes:
+        site: ``file:line`` of the read in the caller's code.
+    """
+
+    def __init__(self, message: str, *, site: str) -> None:
+        super().__init__(message)
+        self.site = site
 
 
 def first_line(error: BaseException) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -260,3 +261,123 @@ def test_apply_and_revert_while_another_thread_runs_ops(pool2: RankPool) -> None
         assert not r["wrong"], f"rank {rank}: wrong values at ops {r['wrong']}"
         assert r["toggles"] > 0, (rank, r)
         assert r["ones"] == 2.0, (rank, r)
+
+
+# --- item 6: a Partial scalar read on some ranks only -----------------------------------------
+#
+# ``.item()`` of a ``Partial`` DTensor needs every rank's share. The patched read runs on a side
+# group with a fingerprint check (dtensor_patches.dispatch.scalar_reads), so a read on rank 0
+# only raises RankLocalReadError and never pairs with another rank's collective. A rank-local
+# read leaves the ranks disagreeing on their side groups, so those cases get two ranks of their
+# own, with a short read timeout; a pool timeout fails a hang.
+
+_READ_ENV = {"DTENSOR_PATCHES_READ_TIMEOUT": "4"}
+
+
+def _partial_loss(scale: float = 1.0) -> Any:
+    """``x.sum()`` of a ``Shard(0)`` ``[4, 3]`` arange: a ``Partial(sum)`` 0-dim DTensor whose
+    single-device value is ``66 * scale`` (this rank's share: 15 or 51)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = distribute_tensor(torch.arange(12.0).reshape(4, 3) * scale, _mesh(), [Shard(0)])
+    return x.sum()
+
+
+def _rank_local_read_case(then_read_everywhere: bool) -> dict[str, Any]:
+    import dtensor_patches
+    from dtensor_patches.errors import RankLocalReadError
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    with dtensor_patches.patched():
+        loss = _partial_loss()
+        other = _partial_loss(2.0)
+        try:
+            if rank == 0:
+                out["logged"] = loss.item()  # the line under test: a read on rank 0 only
+            if then_read_everywhere:
+                out["other"] = other.item()
+        except RankLocalReadError as exc:
+            out["error"] = str(exc)
+            out["site"] = exc.site
+        out["ones"] = _ones_all_reduce()
+    return out
+
+
+def test_a_read_on_one_rank_only_raises_and_leaves_other_collectives_right() -> None:
+    """``if rank == 0: print(loss.item())``: rank 0 gets a clear error naming its line (never
+    a wrong number), and every rank's next all-reduce of ones still gives the world size."""
+    with RankPool(2, env=_READ_ENV, timeout=120) as pool:
+        results = pool.run(_rank_local_read_case, False)
+    first, second = results
+    assert "logged" not in first, first
+    assert "did not all make this read" in first["error"], first
+    assert first["site"].endswith("test_rank_local_and_threads.py:" + first["site"].split(":")[-1])
+    assert "error" not in second, second
+    assert [r["ones"] for r in results] == [2.0, 2.0]
+
+
+def test_two_different_reads_that_meet_raise_on_every_rank() -> None:
+    """A read on rank 0 only, then a read of another loss on every rank: rank 1's read meets
+    rank 0's first one. Both raise (no rank gets a mix of the two values: 15 + 102, or 30 +
+    51), and the next all-reduce is right."""
+    with RankPool(2, env=_READ_ENV, timeout=120) as pool:
+        results = pool.run(_rank_local_read_case, True)
+    for rank, r in enumerate(results):
+        assert "met in different reads" in r.get("error", ""), (rank, r)
+        assert "logged" not in r and "other" not in r, (rank, r)
+        assert r["ones"] == 2.0, (rank, r)
+
+
+def _reads_on_every_rank() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    import dtensor_patches
+
+    rank = dist.get_rank()
+    full = torch.arange(12.0).reshape(4, 3) - 5.0
+    got: dict[str, Any] = {}
+    with dtensor_patches.patched():
+        x = distribute_tensor(full, _mesh(), [Shard(0)])
+        got["sum"] = x.sum().item()
+        got["mean"] = float(x.mean())
+        got["count"] = int((x > 0).sum())
+        got["norm"] = torch.linalg.vector_norm(x).item()
+        got["inf_norm"] = torch.linalg.vector_norm(x, float("inf")).item()
+        got["any"] = bool((x > 5).any())
+        got["one_element"] = x.sum(0)[1:2].sum().item()
+        share = torch.tensor(float(rank + 3))
+        got["max"] = DTensor.from_local(share, _mesh(), [Partial("max")], run_check=False).item()
+        got["avg"] = DTensor.from_local(share, _mesh(), [Partial("avg")], run_check=False).item()
+        # A 2-D mesh (1 x 2): Partial on both dims, the size-1 one needs no reduction.
+        mesh2 = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+        y = distribute_tensor(full, mesh2, [Shard(1), Shard(0)])
+        got["sum_2d"] = y.sum().item()
+        for _ in range(3):  # repeated reads on the same line pair up, read after read
+            got["again"] = x.sum().item()
+        got["ones"] = _ones_all_reduce()
+    return got
+
+
+def test_reads_on_every_rank_give_the_single_device_number(pool2: RankPool) -> None:
+    full = torch.arange(12.0).reshape(4, 3) - 5.0
+    expected = {
+        "sum": full.sum().item(),
+        "mean": full.mean().item(),
+        "count": int((full > 0).sum()),
+        "norm": torch.linalg.vector_norm(full).item(),
+        "inf_norm": torch.linalg.vector_norm(full, float("inf")).item(),
+        "any": bool((full > 5).any()),
+        "one_element": full.sum(0)[1:2].sum().item(),
+        "max": 4.0,
+        "avg": 3.5,
+        "sum_2d": full.sum().item(),
+        "again": full.sum().item(),
+        "ones": 2.0,
+    }
+    for rank, got in enumerate(pool2.run(_reads_on_every_rank)):
+        assert got.keys() == expected.keys()
+        for key, want in expected.items():
+            assert got[key] == pytest.approx(want, rel=1e-6), (rank, key, got[key], want)
+            assert type(got[key]) is type(want), (rank, key, got[key])

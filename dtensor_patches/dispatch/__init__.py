@@ -20,7 +20,9 @@ From user code to the result, a call such as ``torch.add(x, y)`` with a DTensor 
    before, untouched by the library. This is the hot path, and nothing here adds to it.
 5. **Miss rules** (:mod:`.miss_rules`), on a cache miss only: the op's own rule, then the rules
    for every op; each keeps torch's decision (then cached) or runs the call itself (never
-   cached). Reached through the dispatch hook (:mod:`.hook`).
+   cached). Reached through the dispatch hook (:mod:`.hook`). A read of a ``Partial``
+   scalar as a number (``loss.item()``) is one such diverted call: :mod:`.scalar_reads`
+   reduces it on a side group, checked to be the same read on every rank.
 6. **A sharding strategy** (:mod:`.strategy`): torch's propagation picks placements from the
    op's strategy (torch's, or a patch's :class:`~.strategy.Strategy`), redistributes the
    inputs, runs the local op, and caches the decision.

@@ -5,22 +5,34 @@ Trigger: ``loss = x.sum()`` with ``x`` sharded is ``Partial(sum)``; ``loss.item(
 so every rank logs a different, wrong number (and a data-dependent branch on it desyncs the
 ranks). Measured on 2 ranks: wrong on every release 2.9.1 to 2.15.0 (see the gate).
 
-Fix: a miss rule on ``_local_scalar_dense``: a ``Partial`` input is reduced first (one scalar
-all-reduce), then read. Replicated and sharded inputs keep torch's path.
+Fix: a miss rule on ``_local_scalar_dense``: a ``Partial`` input is reduced first, then read,
+on a side process group with a check that every rank makes the same read
+(:mod:`dtensor_patches.dispatch.scalar_reads`), so a read made on one rank only raises
+``RankLocalReadError`` instead of pairing with another collective of the other ranks (issue 23,
+item 6). Replicated and sharded inputs keep torch's path (decided once per schema).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from packaging.specifiers import SpecifierSet
 
+from dtensor_patches.dispatch.miss_rules import DivertedCall, NativeDecision
+from dtensor_patches.dispatch.scalar_reads import read_partial_scalar
 from dtensor_patches.patch import MissRule, Patch
-from dtensor_patches.patches._builders import reduce_partial_first
 from dtensor_patches.reproducers import Case, randn
 
 
+def _read_rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
+    (value,) = schema.args_schema[:1]
+    placements = getattr(value, "placements", ())
+    return read_partial_scalar if any(p.is_partial() for p in placements) else None
+
+
 def _registrations() -> list[MissRule]:
-    return [reduce_partial_first("aten._local_scalar_dense.default")]
+    return [MissRule("aten._local_scalar_dense.default", _read_rule)]
 
 
 # The Python numbers are returned as tensors so the comparison allows float rounding.
@@ -54,5 +66,5 @@ PATCH = Patch(
     upstream_issue="https://github.com/pytorch/pytorch/issues/166638",
     upstream_fix="https://github.com/pytorch/pytorch/pull/167598 (not in any release up to 2.15.0, measured)",
     overrides_existing=True,
-    communication="one scalar all-reduce, `Partial` inputs only",
+    communication="one all-gather of two numbers per rank on a side gloo group, `Partial` inputs only",
 )

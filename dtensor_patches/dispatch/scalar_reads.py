@@ -1,0 +1,232 @@
+"""Reading a pending (``Partial``) DTensor scalar as a Python number: ``loss.item()``,
+``float(loss)``, ``int(count)``, ``bool(flag)`` (``aten._local_scalar_dense``).
+
+The number needs every rank's share, so the read communicates. Done on the mesh's own process
+groups, a read made on some ranks only (``if rank == 0: print(loss.item())``, the most common
+logging line) pairs with whatever collective the other ranks make next: rank 0 logs a wrong
+number, the other rank's next all-reduce returns a wrong sum, and both then hang (issue 23,
+item 6). So a read here never touches the user's groups:
+
+- it runs on a **side group** per set of ranks (gloo, on the host, where the number goes
+  anyway), made on the first read over those ranks and used by nothing else, so a read on
+  one rank only waits there and leaves every other collective of the program right;
+- every read first compares a **fingerprint** across the ranks of that group: the line of
+  user code that reads, and the tensor's shape, dtype, placements and mesh. Two different
+  reads that met on the side group (a rank-local read on rank 0, then a read on every rank)
+  therefore raise :class:`~dtensor_patches.errors.RankLocalReadError` on every rank in it,
+  instead of mixing two values;
+- a read the other ranks never make raises the same error after
+  ``DTENSOR_PATCHES_READ_TIMEOUT`` seconds (default 300; the side group's timeout).
+
+After that error the ranks disagree on which reads happened: the program should stop (the
+message says how to write the read so that every rank makes it).
+
+Cost of a read: a host copy of the local share (the ``.item()`` sync torch makes anyway) and one
+all-gather of two 8-byte numbers per rank per ``Partial`` mesh dim, on the host; the first read
+over a set of ranks also makes its side group (a gloo rendezvous among those ranks only).
+Nothing is added to any other call. Placements other than ``Partial`` of ``sum``, ``avg``,
+``max``, ``min``, ``product`` and torch's norm partial (``_NormPartial``), and complex dtypes,
+keep the plain reduction on the mesh's group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtensor_patches._torch.dtensors import local_tensor
+from dtensor_patches.errors import RankLocalReadError, first_line
+
+__all__ = ["READ_TIMEOUT_ENV", "read_partial_scalar", "side_group"]
+
+READ_TIMEOUT_ENV = "DTENSOR_PATCHES_READ_TIMEOUT"
+"""Seconds a read of a ``Partial`` scalar waits for the other ranks (default 300)."""
+
+_DEFAULT_TIMEOUT_S = 300.0
+_FINGERPRINT_BITS = 52  # exact in a float64
+_SKIPPED_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]))
+
+_LOCK = threading.Lock()
+# ranks -> (the default group it was made under, the side group); remade after a new world.
+_SIDE_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get(READ_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{READ_TIMEOUT_ENV}={raw!r}: a number of seconds > 0 is expected")
+    return value
+
+
+def side_group(ranks: tuple[int, ...]) -> Any:
+    """The side process group of ``ranks`` (global ranks, sorted as the mesh group has them),
+    made on first use by these ranks only (``use_local_synchronization``).
+
+    Raises:
+        RuntimeError: the other ranks did not make it within the read timeout (torch's error).
+    """
+    world = dist.group.WORLD
+    with _LOCK:
+        entry = _SIDE_GROUPS.get(ranks)
+        if entry is not None and entry[0] is world:
+            return entry[1]
+        group = dist.new_group(
+            list(ranks),
+            backend="gloo",
+            timeout=timedelta(seconds=_timeout_s()),
+            use_local_synchronization=True,
+        )
+        _SIDE_GROUPS[ranks] = (world, group)
+        return group
+
+
+def _forget(ranks: tuple[int, ...]) -> None:
+    with _LOCK:
+        _SIDE_GROUPS.pop(ranks, None)
+
+
+def _call_site() -> str:
+    """``file:line`` of the innermost frame outside torch and this package: the user's read."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_SKIPPED_DIRS):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _fingerprint(site: str, value: Any) -> int:
+    mesh = value.device_mesh
+    text = "|".join(
+        [
+            site,
+            str(tuple(value.shape)),
+            str(value.dtype),
+            repr(tuple(value.placements)),
+            str(mesh.mesh.tolist()),
+        ]
+    )
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << _FINGERPRINT_BITS) - 1)
+
+
+def _combine(placement: Any, shares: list[float]) -> float:
+    norm = getattr(placement, "norm_type", None)
+    if norm is not None:
+        p = float(norm)
+        if p == math.inf:
+            return max(shares)
+        if p == -math.inf:
+            return min(shares)
+        if p == 0:
+            return sum(shares)
+        return sum(abs(s) ** p for s in shares) ** (1.0 / p)
+    op = placement.reduce_op
+    if op == "sum":
+        return sum(shares)
+    if op == "avg":
+        return sum(shares) / len(shares)
+    if op == "max":
+        return max(shares)
+    if op == "min":
+        return min(shares)
+    return math.prod(shares)
+
+
+def _supported(placement: Any, dtype: torch.dtype) -> bool:
+    if dtype.is_complex or not placement.is_partial():
+        return False
+    if getattr(placement, "norm_type", None) is not None:
+        return True
+    return getattr(placement, "reduce_op", None) in ("sum", "avg", "max", "min", "product")
+
+
+def _reduce_on_side_group(
+    share: float, placement: Any, ranks: tuple[int, ...], fingerprint: int, site: str, exact: bool
+) -> float:
+    """One read's reduction over ``ranks``: the fingerprints checked, then the shares combined
+    (``exact``: integers, gathered as int64)."""
+    dtype = torch.int64 if exact else torch.float64
+    mine = torch.tensor([fingerprint, share], dtype=dtype)
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    try:
+        group = side_group(ranks)
+        dist.all_gather(gathered, mine, group=group)
+    except RuntimeError as exc:
+        _forget(ranks)
+        raise RankLocalReadError(
+            f"{site}: reading a Partial DTensor as a number needs every rank of {list(ranks)}, "
+            f"and they did not all make this read within {_timeout_s():g} s "
+            f"({READ_TIMEOUT_ENV}) ({first_line(exc)}). Is it made on some ranks only (`if "
+            "rank == 0: print(loss.item())`)? Read it on every rank (`value = loss.item()`, "
+            "then print on one), or read this rank's share with `loss.to_local().item()`. "
+            "The ranks now disagree on which reads happened: stop the program.",
+            site=site,
+        ) from exc
+    prints = [int(t[0].item()) for t in gathered]
+    if len(set(prints)) > 1:
+        _forget(ranks)
+        raise RankLocalReadError(
+            f"{site}: ranks {list(ranks)} met in different reads of a Partial DTensor as a "
+            "number (another line, or a tensor of another shape, dtype or placement, on some "
+            "of them): a read was made on some ranks only before this one. Read it on every "
+            "rank (`value = loss.item()`, then print on one), or read this rank's share with "
+            "`loss.to_local().item()`. The ranks now disagree on which reads happened: stop "
+            "the program.",
+            site=site,
+        )
+    shares = [t[1].item() for t in gathered]
+    return _combine(placement, shares)
+
+
+def read_partial_scalar(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``aten._local_scalar_dense`` of a one-element DTensor with ``Partial`` placements:
+    its Python number, reduced over each ``Partial`` mesh dim on that dim's side group.
+
+    Shapes: any shape of one element (0-dim losses, ``[1]``). Dtypes: floating (combined in
+    float64, then rounded to the dtype), integer and bool (combined exactly in int64);
+    complex and other placements take the plain path (``redistribute`` to ``Replicate()`` on
+    the mesh's own groups).
+
+    Raises:
+        RankLocalReadError: some ranks of a ``Partial`` mesh dim made another read, or none
+            within ``DTENSOR_PATCHES_READ_TIMEOUT`` seconds (see the module doc).
+    """
+    (value,) = args
+    placements = tuple(value.placements)
+    partial = [(d, p) for d, p in enumerate(placements) if p.is_partial()]
+    if not all(_supported(p, value.dtype) for _, p in partial):
+        from torch.distributed.tensor import Replicate
+
+        with torch.no_grad():
+            wanted = [Replicate() if p.is_partial() else p for p in placements]
+            reduced = value.detach().redistribute(value.device_mesh, wanted)
+        return op_call(reduced, **kwargs)
+    site = _call_site()
+    fingerprint = _fingerprint(site, value)
+    local = local_tensor(value).detach().to("cpu")
+    exact = not local.dtype.is_floating_point
+    share: float = local.item()
+    mesh = value.device_mesh
+    for mesh_dim, placement in partial:
+        group = mesh.get_group(mesh_dim)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if len(ranks) > 1:
+            share = _reduce_on_side_group(share, placement, ranks, fingerprint, site, exact)
+    return op_call(torch.tensor(share, dtype=local.dtype))
