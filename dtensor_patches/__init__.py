@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from dtensor_patches.dispatch.fallback import FALLBACK_ENV
     from dtensor_patches.dispatch.fallback_report import FallbackRecord, fallback_report
     from dtensor_patches.dispatch.mixed import gathered_locally
+    from dtensor_patches.norms import clip_grad_norm_, grad_norm
     from dtensor_patches.patch import (
         Handler,
         LossParallelHandler,
@@ -74,6 +75,8 @@ _LAZY = {
     "FallbackRecord": "dtensor_patches.dispatch.fallback_report",
     "fallback_report": "dtensor_patches.dispatch.fallback_report",
     "gathered_locally": "dtensor_patches.dispatch.mixed",
+    "grad_norm": "dtensor_patches.norms",
+    "clip_grad_norm_": "dtensor_patches.norms",
     "PatchHealth": "dtensor_patches.registry_health",
     "RegistryHealth": "dtensor_patches.registry_health",
     "health": "dtensor_patches.registry_health",
@@ -116,9 +119,11 @@ __all__ = [
     "__version__",
     "all_patches",
     "apply_all",
+    "clip_grad_norm_",
     "fallback_report",
     "gathered_locally",
     "get",
+    "grad_norm",
     "health",
     "patched",
     "plan",

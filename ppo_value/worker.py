@@ -46,14 +46,6 @@ log = logging.getLogger(__name__)
 __all__ = ["ValueWorker"]
 
 
-def _flat_mesh_group(mesh: Any) -> dist.ProcessGroup | None:
-    """The process group of every rank of ``mesh`` (``None``: it is the default group)."""
-    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
-    if ranks == list(range(dist.get_world_size())):
-        return None
-    return dist.new_group(ranks)
-
-
 class ValueWorker:
     """A PPO value model sharded with FSDP2 over dp and TP + SP over tp.
 
@@ -90,7 +82,6 @@ class ValueWorker:
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.dp_group = self.mesh["dp"].get_group()
-        self.mesh_group = _flat_mesh_group(self.mesh)
         model = build_value_model(config).to(self.device)
         self.hf_config = model.config
         self.pad_token_id = int(model.config.pad_token_id or 0)
@@ -360,9 +351,7 @@ class ValueWorker:
             stats.update(values=out.values, returns=returns, mask=mask)
             stats.add_loss(out.loss_sum, out.clipped_tokens)
         # one all-reduce over the flattened (dp, tp) mesh, not one per mesh dimension
-        grad_norm = clip_grad_norm_flat(
-            self.model.parameters(), self.config.max_grad_norm, self.mesh_group
-        )
+        grad_norm = clip_grad_norm_flat(self.model.parameters(), self.config.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])
         skipped = not math.isfinite(grad_norm)
         if skipped:

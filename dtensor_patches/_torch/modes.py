@@ -21,6 +21,7 @@ __all__ = [
     "current_autograd_node",
     "dispatch_mode_class",
     "finish_inplace_view",
+    "foreach_mul_",
     "foreach_norm",
     "queue_backward_callback",
 ]
@@ -75,6 +76,15 @@ def finish_inplace_view(
     correct = internal("torch.utils._python_dispatch", "return_and_correct_aliasing")
     set_spec(target, spec)
     return correct(op, args, kwargs, target)
+
+
+def foreach_mul_() -> Any:
+    """``torch._foreach_mul_`` (scales a list of tensors in place, one kernel per device).
+
+    Raises:
+        PatchError: the function moved.
+    """
+    return attribute(torch, "_foreach_mul_", "torch._foreach_mul_")
 
 
 def foreach_norm() -> Any:

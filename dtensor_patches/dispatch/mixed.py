@@ -25,7 +25,7 @@ These are the fallback's registrations (:func:`registrations`): on while it is o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,7 @@ from dtensor_patches._torch.dtensors import dtensor_class, full_tensor
 from dtensor_patches.dispatch.gathered import GatherMode
 from dtensor_patches.dispatch.wrappers import WrappedFunction, original_function
 from dtensor_patches.errors import MixedTensorError
+from dtensor_patches.norms import PlainGrads, grad_norm
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -114,37 +115,6 @@ def _split(tensors: Iterable[Any]) -> dict[int, tuple[Any, list[Any]]]:
     return by_kind
 
 
-PlainGrads = Literal["auto", "replicated", "per_rank"]
-
-
-def _plain_norm_over_ranks(
-    norm: torch.Tensor, norm_type: float, plain: PlainGrads, group: Any
-) -> torch.Tensor:
-    """The norm of the plain tensors of every rank, the same on each: ``norm`` is this rank's.
-
-    ``"replicated"``: every rank holds the same tensors, counted once (``norm`` itself).
-    ``"per_rank"``: each rank's tensors are its own (FSDP2 ``ignored_params`` whose gradients
-    are not reduced), so the norm is that of all ranks' tensors together. ``"auto"``: one
-    all-gather of the per-rank norms tells which; equal on every rank means replicated.
-    A process group of one rank (or none initialized) needs no collective.
-    """
-    import torch.distributed as dist
-
-    if plain == "replicated" or not dist.is_available() or not dist.is_initialized():
-        return norm
-    world = dist.get_world_size(group)
-    if world == 1:
-        return norm
-    # One all-gather of a scalar per rank: enough for both readings, and the same on every
-    # rank, so clipping scales every shard of a DTensor by one coefficient.
-    gathered = [torch.empty_like(norm) for _ in range(world)]
-    dist.all_gather(gathered, norm.contiguous(), group=group)
-    norms = torch.stack(gathered)
-    if plain == "auto" and bool((norms == norms[0]).all() | norms.isnan().all()):
-        return norms[0]
-    return torch.linalg.vector_norm(norms, float(norm_type))
-
-
 def total_norm(
     tensors: Any,
     norm_type: float = 2.0,
@@ -155,12 +125,12 @@ def total_norm(
     plain: PlainGrads = "auto",
     group: Any = None,
 ) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm``, also over tensors of several kinds.
+    """``torch.nn.utils.get_total_norm``, also over DTensors of any meshes beside plain tensors.
 
-    One kind: torch's own function and result (a DTensor for DTensors). Several: the norm of
-    each kind (reduced over its mesh: ``full_tensor()``), combined with
-    ``vector_norm(stack(norms), norm_type)`` as torch combines per-tensor norms; a plain
-    0-dim tensor on the first tensor's device, the same on every rank.
+    Plain tensors only: torch's own function and result. With any DTensor:
+    :func:`dtensor_patches.norms.grad_norm` (every element counted once, one all-reduce per
+    reduction group; a ``Replicate()`` DTensor when every tensor is on one mesh, else a plain
+    0-dim tensor, the same on every rank).
 
     Plain tensors beside DTensors (gradients of FSDP2 ``ignored_params``, of parameters left
     out of TP) may hold the same values on every rank or each rank's own: ``plain`` says
@@ -179,25 +149,17 @@ def total_norm(
         raise ValueError(f"plain must be 'auto', 'replicated' or 'per_rank', got {plain!r}")
     torch_norm = original if original is not None else original_function("_get_total_norm")
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    kinds = _split(tensors)
-    if len(kinds) <= 1:
+    dtensor = dtensor_class()
+    if not any(isinstance(t, dtensor) for t in tensors):
         return torch_norm(tensors, norm_type, error_if_nonfinite, foreach)
-    first_device = tensors[0].device
-    norms = []
-    with torch.no_grad():
-        for kind_obj, group_tensors in kinds.values():
-            norm = full_tensor(torch_norm(group_tensors, norm_type, False, foreach))
-            if kind_obj is None:
-                norm = _plain_norm_over_ranks(norm, float(norm_type), plain, group)
-            norms.append(norm.to(first_device))
-        result = torch.linalg.vector_norm(torch.stack(norms), float(norm_type))
-    if error_if_nonfinite and torch.logical_or(result.isnan(), result.isinf()):
-        raise RuntimeError(
-            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
-            "non-finite, so it cannot be clipped. To disable this error and scale the "
-            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
-        )
-    return result
+    return grad_norm(
+        tensors,
+        norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+        plain=plain,
+        group=group,
+    )
 
 
 def clip_grads_with_norm(

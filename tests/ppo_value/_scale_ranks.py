@@ -92,11 +92,11 @@ def grad_norm_collectives(
     real_clip = gn.clip_grad_norm_flat
 
     def wrapped_clip(*args: Any, **kwargs: Any) -> float:
-        gn.dist.all_reduce = counting  # type: ignore[assignment]
+        dist.all_reduce = counting  # type: ignore[assignment]
         try:
             return real_clip(*args, **kwargs)
         finally:
-            gn.dist.all_reduce = real_all_reduce  # type: ignore[assignment]
+            dist.all_reduce = real_all_reduce  # type: ignore[assignment]
 
     import ppo_value.worker as wk
 

@@ -1,0 +1,412 @@
+"""The global gradient norm over gradients on any mix of meshes and placements, beside plain
+gradients, and clipping by it: :func:`grad_norm` and :func:`clip_grad_norm_` (issue 20).
+
+RL and LLM-training stacks each carry a private copy of this computation, several of them
+silently wrong: TP-replicated gradients counted once per TP rank, the norm read from one
+rank's share, replicated axes counted again on each of an expert-parallel and a data-parallel
+mesh. Torch's ``clip_grad_norm_`` cannot combine norms across meshes. Here each gradient adds
+``sum(|local|^p)`` of its local shard to the **reduction group** of its mesh: the ranks of the
+mesh dims that any gradient of that mesh is sharded on (from this rank, the sub-mesh through
+its coordinate). A gradient ``Replicate()`` on one of those dims is weighted by ``1 / size``
+of the dim, so every element counts once; a gradient sharded on none of them counts locally.
+``Partial`` gradients are reduced first (a ``redistribute`` to ``Replicate()`` on those dims:
+the one case that moves a whole tensor). Groups of the same ranks from different meshes are
+merged; then one all-reduce per distinct group (``SUM`` of the powers, or ``MAX`` for
+``norm_type=inf``, with a NaN flag so a NaN on one rank is a NaN everywhere), and one more
+over ``pp_group`` if given. The result is the same on every rank, computed without a host
+sync: a ``Replicate()`` DTensor when every gradient is on one mesh, else a plain 0-dim tensor.
+
+A replicated gradient of another sub-mesh's replica (an expert on ``mesh["ep"]`` of ranks
+``{0, 1}``, and the same expert on ``{2, 3}``) is counted once: each sub-mesh's group sums its
+own, and the replicas agree.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from dtensor_patches._torch.dtensors import dtensor_class, local_tensor
+from dtensor_patches._torch.modes import foreach_mul_, foreach_norm
+
+__all__ = ["PlainGrads", "clip_grad_norm_", "grad_norm", "plain_norm_over_ranks"]
+
+PlainGrads = Literal["auto", "replicated", "per_rank"]
+"""How plain (non-DTensor) gradients are counted: the same on every rank and counted once
+(``"replicated"``), each rank's own and summed over the group (``"per_rank"``), or told apart by
+one all-gather of one scalar per rank (``"auto"``)."""
+
+_GROUPS_LOCK = threading.Lock()
+_FLAT_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}  # ranks -> (world, group)
+
+
+def plain_norm_over_ranks(
+    norm: torch.Tensor, norm_type: float, plain: PlainGrads, group: Any
+) -> torch.Tensor:
+    """The norm of the plain tensors of every rank, the same on each: ``norm`` is this rank's.
+
+    ``"replicated"``: every rank holds the same tensors, counted once (``norm`` itself).
+    ``"per_rank"``: each rank's tensors are its own (FSDP2 ``ignored_params`` whose gradients
+    are not reduced), so the norm is that of all ranks' tensors together. ``"auto"``: one
+    all-gather of the per-rank norms tells which; equal on every rank means replicated.
+    A process group of one rank (or none initialized) needs no collective.
+    """
+    if plain == "replicated" or not dist.is_available() or not dist.is_initialized():
+        return norm
+    world = dist.get_world_size(group)
+    if world == 1:
+        return norm
+    # One all-gather of a scalar per rank: enough for both readings, and the same on every
+    # rank, so clipping scales every shard of a DTensor by one coefficient.
+    gathered = [torch.empty_like(norm) for _ in range(world)]
+    dist.all_gather(gathered, norm.contiguous(), group=group)
+    norms = torch.stack(gathered)
+    if plain == "auto" and bool((norms == norms[0]).all() | norms.isnan().all()):
+        return norms[0]
+    return torch.linalg.vector_norm(norms, float(norm_type))
+
+
+@dataclass
+class _Group:
+    """One reduction group: the process group (``None``: this rank only) and its terms."""
+
+    pg: Any
+    device: torch.device
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+
+def _as_grads(parameters_or_grads: Any) -> list[torch.Tensor]:
+    items = (
+        [parameters_or_grads]
+        if isinstance(parameters_or_grads, torch.Tensor)
+        else list(parameters_or_grads)
+    )
+    grads = []
+    for t in items:
+        if isinstance(t, torch.nn.Parameter) or t.requires_grad:
+            if t.grad is not None:
+                grads.append(t.grad)
+        else:
+            grads.append(t)
+    return grads
+
+
+def _norm_type(norm_type: float) -> float:
+    p = float(norm_type)
+    if not (p > 0 or p == math.inf):
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
+    return p
+
+
+def _reduce_device(pg: Any, fallback: torch.device) -> torch.device:
+    if pg is not None and dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if pg is not None else fallback
+
+
+def _flat_group(ranks: tuple[int, ...], like: Any) -> Any:
+    """A process group over ``ranks`` (the sub-mesh of several mesh dims), made once by those
+    ranks only; the world where it is the world."""
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    world = dist.group.WORLD
+    with _GROUPS_LOCK:
+        entry = _FLAT_GROUPS.get(ranks)
+        if entry is None or entry[0] is not world:
+            group = dist.new_group(
+                list(ranks), backend=dist.get_backend(like), use_local_synchronization=True
+            )
+            entry = _FLAT_GROUPS[ranks] = (world, group)
+        return entry[1]
+
+
+def _sub_mesh_ranks(mesh: Any, dims: tuple[int, ...]) -> tuple[int, ...]:
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in dims else c for d, c in enumerate(coordinate))
+    return tuple(sorted(int(r) for r in mesh.mesh[index].flatten().tolist()))
+
+
+def _splits(placement: Any) -> bool:
+    """Whether a placement splits the data over its mesh dim: ``Shard`` and ``_StridedShard``
+    (FSDP2 over TP; not a ``Shard`` subclass on every release), anything neither replicated
+    nor pending."""
+    return not (placement.is_replicate() or placement.is_partial())
+
+
+def _reduced(grad: Any) -> Any:
+    from torch.distributed.tensor import Replicate
+
+    if any(p.is_partial() for p in grad.placements):
+        wanted = [Replicate() if p.is_partial() else p for p in grad.placements]
+        return grad.redistribute(grad.device_mesh, wanted)
+    return grad
+
+
+def _groups(
+    grads: list[torch.Tensor], plain: PlainGrads, group: Any
+) -> tuple[list[_Group], list[torch.Tensor], Any]:
+    """The reduction groups (in first-use order, the same on every rank), the plain
+    gradients of ``plain="auto"``, and the one mesh of every DTensor (``None`` if several or
+    none)."""
+    dtensor = dtensor_class()
+    dtensors = [_reduced(g) for g in grads if isinstance(g, dtensor)]
+    # Keyed by the mesh's value (DeviceMesh compares by layout): FSDP2 and TP can hand out
+    # equal meshes as different objects, and they must share one reduction group.
+    sharded_dims: dict[Any, set[int]] = {}
+    meshes: dict[Any, Any] = {}
+    for g in dtensors:
+        union = sharded_dims.setdefault(g.device_mesh, set())
+        meshes[g.device_mesh] = g.device_mesh
+        union.update(d for d, p in enumerate(g.placements) if _splits(p))
+    by_ranks: dict[Any, _Group] = {}
+    local = _Group(None, grads[0].device if grads else torch.device("cpu"))
+    for g in dtensors:
+        mesh = g.device_mesh
+        dims = tuple(sorted(sharded_dims[mesh]))
+        mine = [d for d in dims if _splits(g.placements[d])]
+        if not mine:
+            local.tensors.append(local_tensor(g))
+            local.weights.append(1.0)
+            continue
+        weight = 1.0
+        for d in dims:
+            if not _splits(g.placements[d]):
+                weight /= mesh.size(d)
+        ranks = _sub_mesh_ranks(mesh, dims)
+        entry = by_ranks.get(ranks)
+        if entry is None:
+            pg = (
+                mesh.get_group(dims[0]) if len(dims) == 1 else _flat_group(ranks, mesh.get_group(0))
+            )
+            entry = by_ranks[ranks] = _Group(pg, local_tensor(g).device)
+        entry.tensors.append(local_tensor(g))
+        entry.weights.append(weight)
+    plains = [g for g in grads if not isinstance(g, dtensor)]
+    auto: list[torch.Tensor] = []
+    if plain == "replicated" or not (dist.is_available() and dist.is_initialized()):
+        local.tensors += plains
+        local.weights += [1.0] * len(plains)
+    elif plain == "per_rank" and plains:
+        pg = group if group is not None else dist.group.WORLD
+        key = tuple(sorted(dist.get_process_group_ranks(pg)))
+        entry = by_ranks.get(key) or by_ranks.setdefault(key, _Group(pg, local.device))
+        entry.tensors += plains
+        entry.weights += [1.0] * len(plains)
+    else:
+        auto = plains
+    only_mesh = next(iter(meshes.values())) if len(meshes) == 1 and not plains else None
+    return [local, *by_ranks.values()], auto, only_mesh
+
+
+def _norms(
+    tensors: list[torch.Tensor], p: float, foreach: bool | None, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Per-tensor ``p``-norms in ``dtype`` (on each tensor's device)."""
+    if not tensors:
+        return []
+    use_foreach = foreach if foreach is not None else all(t.is_cuda for t in tensors)
+    if use_foreach:
+        by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault((t.device, t.dtype), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for positions in by_device.values():
+            norms = foreach_norm()([tensors[i] for i in positions], p, dtype=dtype)
+            for i, n in zip(positions, norms, strict=True):
+                out[i] = n
+        return [n for n in out if n is not None]
+    return [torch.linalg.vector_norm(t, p, dtype=dtype) for t in tensors]
+
+
+def _term(entry: _Group, p: float, foreach: bool | None, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's share of one group: ``[sum w * norm^p]``, or ``[max norm, any NaN]`` for
+    the inf-norm, on the group's reduction device."""
+    device = _reduce_device(entry.pg, entry.device)
+    norms = [n.to(device) for n in _norms(entry.tensors, p, foreach, dtype)]
+    if math.isinf(p):
+        if not norms:
+            return torch.zeros(2, dtype=dtype, device=device)
+        stacked = torch.stack(norms)
+        nan = stacked.isnan().any().to(dtype)
+        return torch.stack([torch.where(stacked.isnan(), 0.0, stacked).max(), nan])
+    total = torch.zeros((), dtype=dtype, device=device)
+    for n, w in zip(norms, entry.weights, strict=True):
+        total = total + n.pow(p) * w
+    return total.reshape(1)
+
+
+def _combine(terms: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
+    terms = [t.to(device) for t in terms]
+    if math.isinf(p):
+        stacked = torch.stack(terms)
+        value = stacked[:, 0].max()
+        return torch.where(stacked[:, 1].max() > 0, torch.full_like(value, math.nan), value)
+    return torch.stack([t[0] for t in terms]).sum()
+
+
+def _all_reduce(term: torch.Tensor, p: float, pg: Any) -> None:
+    if dist.get_world_size(pg) == 1:
+        return
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    dist.all_reduce(term, op=op, group=pg)
+
+
+@torch.no_grad()
+def grad_norm(
+    parameters_or_grads: Any,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    plain: PlainGrads = "replicated",
+    group: Any = None,
+    pp_group: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The ``norm_type``-norm of all gradients together, over every rank: the norm the same
+    model would have on one device.
+
+    Args:
+        parameters_or_grads: a tensor or an iterable of tensors: parameters (an
+            ``nn.Parameter`` or any tensor that requires grad: its ``.grad``, skipped where
+            ``None``) or gradients themselves. DTensors on any meshes (FSDP2, HSDP 2-D, TP, EP,
+            CP), with ``Shard``/``_StridedShard`` (uneven too), ``Replicate`` (each element
+            counted once) and ``Partial`` (reduced first) placements, CPU-offloaded local
+            tensors, and plain tensors. Every rank passes its gradients of the same model in
+            the same order.
+        norm_type: ``p`` > 0 (1, 2, ...) or ``inf``.
+        error_if_nonfinite: raise if the norm is NaN or inf (a host sync, as torch's).
+        foreach: per-tensor norms with ``torch._foreach_norm`` (default: where every tensor is
+            on CUDA).
+        plain: how plain gradients are counted (:data:`PlainGrads`; default
+            ``"replicated"``: a parameter outside FSDP2/TP, the same on every rank).
+        group: the ranks ``plain="per_rank"``/``"auto"`` gradients are spread over (default:
+            the world).
+        pp_group: the pipeline-parallel group: each stage holds its own parameters, and the
+            stages' totals are combined over it (one more all-reduce).
+        dtype: the floating dtype the norms are computed and summed in (``torch.float64``
+            for a float64 reference; bf16 gradients are read, not copied, into it on CUDA).
+
+    Returns:
+        A 0-dim ``dtype`` tensor, the same on every rank: a ``Replicate()`` DTensor when every
+        gradient is a DTensor of one mesh (``.item()`` and ``.full_tensor()`` read it with no
+        collective), else a plain tensor on the first gradient's device. NaN or inf where any
+        gradient holds one, on every rank alike. ``0`` for no gradients.
+
+    Communication: one all-reduce of one number (two for ``inf``) per distinct reduction
+    group, plus one over ``pp_group``; an all-gather of one scalar per rank for
+    ``plain="auto"``; a ``redistribute`` per ``Partial`` gradient. No host sync unless
+    ``error_if_nonfinite``.
+
+    Raises:
+        ValueError: ``norm_type`` is not > 0 or inf; ``plain`` is not one of its readings.
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite (torch's message).
+    """
+    p = _norm_type(norm_type)
+    if plain not in ("auto", "replicated", "per_rank"):
+        raise ValueError(f"plain must be 'auto', 'replicated' or 'per_rank', got {plain!r}")
+    grads = _as_grads(parameters_or_grads)
+    entries, auto, only_mesh = _groups(grads, plain, group)
+    out_device = grads[0].device if grads else torch.device("cpu")
+    if only_mesh is not None and only_mesh.device_type != "cpu":
+        out_device = _reduce_device(only_mesh.get_group(0), out_device)
+    terms = []
+    for entry in entries:
+        term = _term(entry, p, foreach, dtype)
+        if entry.pg is not None:
+            _all_reduce(term, p, entry.pg)
+        terms.append(term)
+    if auto:
+        norm = torch.linalg.vector_norm(torch.stack(_norms(auto, p, foreach, dtype)), p)
+        norm = plain_norm_over_ranks(norm, p, "auto", group)
+        terms.append(
+            torch.stack([norm, norm.isnan().to(dtype)]) if math.isinf(p) else norm.pow(p).reshape(1)
+        )
+    total = _combine(terms, p, out_device)
+    if pp_group is not None:
+        term = (
+            torch.stack([torch.where(total.isnan(), 0.0, total), total.isnan().to(dtype)])
+            if math.isinf(p)
+            else total.reshape(1)
+        )
+        term = term.to(_reduce_device(pp_group, out_device))
+        _all_reduce(term, p, pp_group)
+        total = _combine([term], p, out_device)
+    result = total if math.isinf(p) else total.pow(1.0 / p)
+    if error_if_nonfinite and bool(torch.logical_or(result.isnan(), result.isinf())):
+        raise RuntimeError(
+            f"The total norm of order {p} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the "
+            "non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    if only_mesh is not None:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return DTensor.from_local(
+            result, only_mesh, [Replicate()] * only_mesh.ndim, run_check=False
+        )
+    return result
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Any,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    plain: PlainGrads = "replicated",
+    group: Any = None,
+    pp_group: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over any mix of meshes, placements and plain
+    gradients: the gradients are scaled in place by ``min(1, max_norm / (norm + 1e-6))``
+    (torch's coefficient), with ``norm`` the global :func:`grad_norm`, so that every shard of
+    every gradient is scaled by the one coefficient.
+
+    Args:
+        parameters: as :func:`grad_norm` (parameters: their ``.grad`` is scaled).
+        max_norm: the norm to clip to (> 0).
+        norm_type, error_if_nonfinite, foreach, plain, group, pp_group, dtype: as
+            :func:`grad_norm`.
+
+    Returns:
+        The norm before clipping (see :func:`grad_norm`).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`grad_norm`; nothing is scaled then.
+    """
+    grads = _as_grads(parameters)
+    total = grad_norm(
+        grads,
+        norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+        plain=plain,
+        group=group,
+        pp_group=pp_group,
+        dtype=dtype,
+    )
+    dtensor = dtensor_class()
+    value = local_tensor(total) if isinstance(total, dtensor) else total
+    coefficient = torch.clamp(float(max_norm) / (value + 1e-6), max=1.0)
+    locals_ = [local_tensor(g) if isinstance(g, dtensor) else g for g in grads]
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in locals_:
+        by_device.setdefault((t.device, t.dtype), []).append(t)
+    for (device, dtype), tensors in by_device.items():
+        scale = coefficient.to(device=device, dtype=dtype)
+        if foreach or (foreach is None and device.type == "cuda"):
+            foreach_mul_()(tensors, scale)
+        else:
+            for t in tensors:
+                t.mul_(scale)
+    return total
