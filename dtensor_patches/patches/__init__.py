@@ -46,6 +46,8 @@ from dtensor_patches.patches.pointwise import (
     partial_int_cast,
 )
 from dtensor_patches.patches.reductions import (
+    all_any_dims,
+    all_over_shards,
     argmax_all,
     count_nonzero,
     cumsum_negative_dim,
@@ -131,6 +133,8 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         argmax_all.PATCH,
         nansum.PATCH,
         is_any_true.PATCH,
+        all_over_shards.PATCH,
+        all_any_dims.PATCH,
         partial_add_scalar.PATCH,
         partial_int_cast.PATCH,
         ne_glu_entr.PATCH,

@@ -2,6 +2,9 @@
 
 - :func:`dimwise`: a strategy for an op that works along some dims (reductions, scans, order
   statistics, flips, ``select``), see :func:`dtensor_patches.strategies.dimwise_strategy`;
+- :func:`bool_reduction`: a strategy for ``all``/``any`` over dims: each rank reduces its shard,
+  a shard on a reduced dim gives ``Partial`` of the op that combines bools (``product`` is an
+  AND, ``sum`` an OR), ``Partial`` inputs are reduced first;
 - :func:`reduce_partial_first`: a miss rule for an op that is wrong on a pending reduction:
   ``Partial`` inputs are reduced first, then torch runs the call on the reduced inputs (its
   normal strategy). The condition is in the op schema, so it is decided once per distinct
@@ -19,9 +22,17 @@ from dtensor_patches._torch.dtensors import is_dtensor
 from dtensor_patches._torch.schemas import tree_leaves, tree_map
 from dtensor_patches.dispatch.miss_rules import DivertedCall, MissRule, NativeDecision
 from dtensor_patches.dispatch.strategy import Strategy
-from dtensor_patches.strategies import arg, dimwise_strategy, schema_info
+from dtensor_patches.strategies import (
+    arg,
+    dimwise_strategy,
+    is_shard,
+    normalize_dims,
+    rule_strategy,
+    schema_info,
+    tensor_meta,
+)
 
-__all__ = ["dims_arg", "dimwise", "keepdim_arg", "reduce_partial_first"]
+__all__ = ["bool_reduction", "dims_arg", "dimwise", "keepdim_arg", "reduce_partial_first"]
 
 DimsOf = Callable[[Any], "int | Sequence[int] | None"]
 
@@ -63,6 +74,32 @@ def dimwise(
         )
 
     return Strategy(op, strategy, schema_info(static_argnum, static_kwargkey))
+
+
+def bool_reduction(op: str, combine: str) -> Strategy:
+    """A :class:`Strategy` for ``all``/``any`` (``op(self)``, ``op.dim(self, dim, keepdim)``,
+    ``op.dims(self, dim=None, keepdim=False)``): a shard on a reduced dim gives
+    ``Partial(combine)`` (``"product"``: AND, ``"sum"``: OR), a shard on another dim stays
+    sharded (renumbered without ``keepdim``), anything else is replicated first (``all`` of
+    ``Partial`` shares is not ``all`` of their sum). No communication."""
+
+    def strategy(op_schema: Any) -> Any:
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        ndim = len(tensor_meta(op_schema.args_schema[0]).shape)
+        along = normalize_dims(arg(op_schema, 1, "dim"), ndim)
+        keepdim = bool(arg(op_schema, 2, "keepdim", False))
+
+        def rule(p: Any) -> tuple[Any, Any]:
+            if is_shard(p) and p.dim in along:
+                return p, Partial(combine)
+            if is_shard(p):
+                return p, Shard(p.dim if keepdim else p.dim - sum(1 for d in along if d < p.dim))
+            return Replicate(), Replicate()
+
+        return rule_strategy(op_schema, rule)
+
+    return Strategy(op, strategy, schema_info(1))
 
 
 def _has_partial(value: Any) -> bool:
