@@ -19,10 +19,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dtensor_patches.errors import LostWriteError, MixedTensorError, PatchError, RankLocalReadError
+from dtensor_patches.errors import (
+    FallbackBudgetError,
+    LostWriteError,
+    MixedTensorError,
+    PatchError,
+    RankLocalReadError,
+)
 
 if TYPE_CHECKING:
     from dtensor_patches.dispatch.fallback import FALLBACK_ENV
+    from dtensor_patches.dispatch.fallback_budget import (
+        fallback_budget,
+        fallback_peak,
+        set_fallback_budget,
+    )
     from dtensor_patches.dispatch.fallback_report import FallbackRecord, fallback_report
     from dtensor_patches.dispatch.mixed import gathered_locally
     from dtensor_patches.norms import clip_grad_norm_, grad_norm
@@ -74,6 +85,9 @@ _LAZY = {
     "FALLBACK_ENV": "dtensor_patches.dispatch.fallback",
     "FallbackRecord": "dtensor_patches.dispatch.fallback_report",
     "fallback_report": "dtensor_patches.dispatch.fallback_report",
+    "fallback_budget": "dtensor_patches.dispatch.fallback_budget",
+    "fallback_peak": "dtensor_patches.dispatch.fallback_budget",
+    "set_fallback_budget": "dtensor_patches.dispatch.fallback_budget",
     "gathered_locally": "dtensor_patches.dispatch.mixed",
     "grad_norm": "dtensor_patches.norms",
     "clip_grad_norm_": "dtensor_patches.norms",
@@ -96,6 +110,7 @@ _DEPRECATED = {
 __all__ = [
     "DISABLE_ENV",
     "FALLBACK_ENV",
+    "FallbackBudgetError",
     "FallbackRecord",
     "Handler",
     "LossParallelHandler",
@@ -120,6 +135,8 @@ __all__ = [
     "all_patches",
     "apply_all",
     "clip_grad_norm_",
+    "fallback_budget",
+    "fallback_peak",
     "fallback_report",
     "gathered_locally",
     "get",
@@ -129,6 +146,7 @@ __all__ = [
     "plan",
     "revert_all",
     "scan",
+    "set_fallback_budget",
     "verify",
 ]
 

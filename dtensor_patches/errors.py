@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "FallbackBudgetError",
     "LostWriteError",
     "MixedTensorError",
     "PatchError",
@@ -23,6 +24,23 @@ class PatchError(RuntimeError):
     def __init__(self, message: str, *, internal: str | None = None) -> None:
         super().__init__(message)
         self.internal = internal
+
+
+class FallbackBudgetError(PatchError):
+    """The fallback would gather more than its budget (per call or in total) onto every rank,
+    so the call is refused before anything is gathered (``dtensor_patches.dispatch.
+    fallback_budget``). The message names the op, the placements, the bytes and what avoids
+    it.
+
+    Attributes:
+        op: the op and overload (``"aten._log_softmax.default"``).
+        bytes_needed: bytes of full inputs the call would gather onto each rank.
+    """
+
+    def __init__(self, message: str, *, op: str, bytes_needed: int) -> None:
+        super().__init__(message)
+        self.op = op
+        self.bytes_needed = bytes_needed
 
 
 class LostWriteError(RuntimeError):

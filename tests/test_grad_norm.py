@@ -46,7 +46,10 @@ def _fulls(*shapes: tuple[int, ...], seed: int = 3) -> list[torch.Tensor]:
 
 
 def _expected(tensors: list[torch.Tensor], norm_type: float) -> float:
-    return float(torch.linalg.vector_norm(torch.cat([t.flatten() for t in tensors]), norm_type))
+    """The single device's norm, in float64 (the reference the float32 result must meet to
+    a relative 1e-6)."""
+    flat = torch.cat([t.flatten().double() for t in tensors])
+    return float(torch.linalg.vector_norm(flat, norm_type))
 
 
 def _one_mesh_case(norm_type: float) -> dict[str, Any]:
@@ -81,7 +84,7 @@ def _one_mesh_case(norm_type: float) -> dict[str, Any]:
 @pytest.mark.parametrize("norm_type", NORMS)
 def test_one_mesh_every_placement_counted_once(pool2: RankPool, norm_type: float) -> None:
     for rank, r in enumerate(pool2.run(_one_mesh_case, norm_type)):
-        assert r["norm"] == pytest.approx(r["expected"], rel=1e-5), (rank, r)
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
         # The mesh's group, merged with the plain gradients' (counted locally): one all-reduce.
         assert r["all_reduces"] == 1, (rank, r)
         assert not r["is_dtensor"], (rank, r)  # a plain gradient among them: a plain tensor
@@ -139,7 +142,7 @@ def test_per_rank_plain_gradients(pool2: RankPool, reading: str) -> None:
     """FSDP2 ``ignored_params``: each rank's plain gradient is its own. ``per_rank`` shares the
     mesh's all-reduce (the same ranks); ``auto`` tells by an all-gather."""
     for rank, r in enumerate(pool2.run(_plain_per_rank_case, reading)):
-        assert r["norm"] == pytest.approx(r["expected"], rel=1e-5), (rank, r)
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
         assert r["all_reduces"] == 1, (rank, r)
 
 
@@ -220,7 +223,7 @@ def test_clipping_scales_every_shard_by_the_global_coefficient(
     DTensor gradients: the same values and one all-reduce (``plain="auto"``'s all-gather is
     not an all-reduce)."""
     for rank, r in enumerate(pool2.run(_clip_case, max_norm, via_torch)):
-        assert r["norm"] == pytest.approx(r["expected"], rel=1e-5), (rank, r)
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
         assert r["grads_right"], (rank, r)
         assert r["all_reduces"] == 1, (rank, r)
 
@@ -253,8 +256,8 @@ def _pipeline_case(norm_type: float) -> dict[str, Any]:
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_pipeline_stages_combined_over_pp_group(pool2: RankPool, norm_type: float) -> None:
     for rank, r in enumerate(pool2.run(_pipeline_case, norm_type)):
-        assert r["norm"] == pytest.approx(r["expected"], rel=1e-5), (rank, r)
-        assert r["alone"] == pytest.approx(r["expected_alone"], rel=1e-5), (rank, r)
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
+        assert r["alone"] == pytest.approx(r["expected_alone"], rel=1e-6), (rank, r)
         # The dp groups are of one rank (no collective); one over pp.
         assert r["all_reduces"] == 1, (rank, r)
 
@@ -302,7 +305,7 @@ def test_two_d_mesh_and_an_expert_sub_mesh(pool4: RankPool, norm_type: float) ->
     experts, whose dp replicas are counted once."""
     for rank, r in enumerate(pool4.run(_two_d_case, norm_type)):
         assert r["fsdp_tp"][1] == "Shard" and r["fsdp_tp"][0] != "Replicate", (rank, r)
-        assert r["norm"] == pytest.approx(r["expected"], rel=1e-5), (rank, r)
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
         assert r["all_reduces"] == 2, (rank, r)
 
 

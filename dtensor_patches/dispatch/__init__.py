@@ -27,7 +27,8 @@ From user code to the result, a call such as ``torch.add(x, y)`` with a DTensor 
    op's strategy (torch's, or a patch's :class:`~.strategy.Strategy`), redistributes the
    inputs, runs the local op, and caches the decision.
 7. **The fallback** (:mod:`.fallback`), where propagation raised: the gather engine
-   (:mod:`.gather`) computes the call on gathered inputs.
+   (:mod:`.gather`) computes the call on gathered inputs, within a memory budget
+   (:mod:`.fallback_budget`).
 
 Around DTensor's dispatch, some torch functions are wrapped (:mod:`.wrappers`): the optimizers'
 grouping and gradient clipping over mixed kinds (:mod:`.mixed`), the parallel styles'

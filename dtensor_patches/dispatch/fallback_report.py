@@ -32,7 +32,8 @@ class FallbackRecord:
     """One kind of fallback: ``op`` called with DTensor inputs placed as ``placements``.
 
     ``calls``: how often; ``bytes``: bytes gathered onto this rank over all calls (the data
-    each rank received to hold full inputs; 0 for inputs that were already replicated).
+    each rank received to hold full inputs; 0 for inputs that were already replicated);
+    ``peak``: the most bytes one of these calls gathered onto this rank.
     """
 
     op: str
@@ -40,6 +41,7 @@ class FallbackRecord:
     calls: int = 0
     bytes: int = 0
     reason: str = ""
+    peak: int = 0
 
 
 # The counters of this process: a report, not a setting (dtensor_patches.state holds those).
@@ -59,6 +61,7 @@ def count(op: object, placements: str, moved: int, reason: str) -> None:
             record = _RECORDS[key] = FallbackRecord(str(op), placements, reason=reason)
         record.calls += 1
         record.bytes += moved
+        record.peak = max(record.peak, moved)
         calls = record.calls
     if first:
         log.warning(
