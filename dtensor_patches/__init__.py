@@ -24,6 +24,7 @@ from dtensor_patches.errors import (
     LostWriteError,
     MixedTensorError,
     PatchError,
+    RankLocalCallError,
     RankLocalReadError,
 )
 
@@ -122,6 +123,7 @@ __all__ = [
     "Patch",
     "PatchError",
     "PatchHealth",
+    "RankLocalCallError",
     "RankLocalReadError",
     "RegistryHealth",
     "Report",

@@ -7,6 +7,7 @@ __all__ = [
     "LostWriteError",
     "MixedTensorError",
     "PatchError",
+    "RankLocalCallError",
     "RankLocalReadError",
     "first_line",
 ]
@@ -71,22 +72,32 @@ class MixedTensorError(RuntimeError):
         self.shape = shape
 
 
-class RankLocalReadError(RuntimeError):
-    """A ``Partial`` DTensor was read as a number (``.item()``, ``float()``, ``int()``) on some
-    ranks only, so its value, which needs every rank's share, cannot be formed.
-
-    Raised by the ``partial_item`` patch (``dtensor_patches.dispatch.scalar_reads``) instead of
-    pairing the read with another collective of the other ranks (issue 23, item 6): on every
-    rank of the read when two different reads met, or after ``DTENSOR_PATCHES_READ_TIMEOUT``
-    seconds on the ranks that made a read the others never make. A ``RuntimeError``.
+class RankLocalCallError(RuntimeError):
+    """A DTensor call that must communicate was made on some ranks only, so it cannot pair with
+    the other ranks: raised instead of pairing with another collective of theirs (issue 23,
+    item 6). The fallback raises it for a call it would run on gathered inputs
+    (``dtensor_patches.dispatch.scalar_reads.check_same_call``), on every rank of the call
+    when two different calls met, or after ``DTENSOR_PATCHES_RANK_CHECK_TIMEOUT`` seconds on
+    the ranks that made a call the others never make. A ``RuntimeError``.
 
     Attributes:
-        site: ``file:line`` of the read in the caller's code.
+        site: ``file:line`` of the call in the caller's code.
     """
 
     def __init__(self, message: str, *, site: str) -> None:
         super().__init__(message)
         self.site = site
+
+
+class RankLocalReadError(RankLocalCallError):
+    """A ``Partial`` DTensor was read as a number (``.item()``, ``float()``, ``int()``) on some
+    ranks only, so its value, which needs every rank's share, cannot be formed.
+
+    Raised by the ``partial_item`` patch (``dtensor_patches.dispatch.scalar_reads``) instead of
+    pairing the read with another collective of the other ranks: on every rank of the read
+    when two different reads met, or after ``DTENSOR_PATCHES_RANK_CHECK_TIMEOUT`` seconds on
+    the ranks that made a read the others never make.
+    """
 
 
 def first_line(error: BaseException) -> str:

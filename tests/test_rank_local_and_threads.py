@@ -271,7 +271,7 @@ def test_apply_and_revert_while_another_thread_runs_ops(pool2: RankPool) -> None
 # read leaves the ranks disagreeing on their side groups, so those cases get two ranks of their
 # own, with a short read timeout; a pool timeout fails a hang.
 
-_READ_ENV = {"DTENSOR_PATCHES_READ_TIMEOUT": "4"}
+_READ_ENV = {"DTENSOR_PATCHES_RANK_CHECK_TIMEOUT": "4"}
 
 
 def _partial_loss(scale: float = 1.0) -> Any:
@@ -381,3 +381,45 @@ def test_reads_on_every_rank_give_the_single_device_number(pool2: RankPool) -> N
         for key, want in expected.items():
             assert got[key] == pytest.approx(want, rel=1e-6), (rank, key, got[key], want)
             assert type(got[key]) is type(want), (rank, key, got[key])
+
+
+def _rank_local_fallback_case(then_everywhere: bool) -> dict[str, Any]:
+    """``torch.cdist`` of a ``Shard(1)`` tensor (no strategy: the fallback gathers it) on rank 0
+    only, then (``then_everywhere``) another fallback call on every rank."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import dtensor_patches
+    from dtensor_patches.errors import RankLocalCallError
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    with dtensor_patches.patched():
+        x = distribute_tensor(torch.arange(12.0).reshape(3, 4), _mesh(), [Shard(1)])
+        y = distribute_tensor(torch.arange(8.0).reshape(2, 4), _mesh(), [Shard(1)])
+        try:
+            if rank == 0:
+                out["local"] = torch.cdist(x, x).full_tensor().tolist()  # on rank 0 only
+            if then_everywhere:
+                out["everywhere"] = torch.cdist(y, y).full_tensor().tolist()
+        except RankLocalCallError as exc:
+            out["error"] = str(exc)
+        out["ones"] = _ones_all_reduce()
+    return out
+
+
+def test_a_fallback_call_on_one_rank_only_raises_and_leaves_other_collectives_right() -> None:
+    with RankPool(2, env=_READ_ENV, timeout=120) as pool:
+        first, second = pool.run(_rank_local_fallback_case, False)
+    assert "did not all make this call" in first.get("error", ""), first
+    assert "aten._cdist_forward" in first["error"] and "local" not in first, first
+    assert "error" not in second, second
+    assert [first["ones"], second["ones"]] == [2.0, 2.0]
+
+
+def test_two_different_fallback_calls_that_meet_raise_on_every_rank() -> None:
+    with RankPool(2, env=_READ_ENV, timeout=120) as pool:
+        results = pool.run(_rank_local_fallback_case, True)
+    for rank, r in enumerate(results):
+        assert "met in different calls" in r.get("error", ""), (rank, r)
+        assert "local" not in r and "everywhere" not in r, (rank, r)
+        assert r["ones"] == 2.0, (rank, r)

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from dtensor_patches import state
 from dtensor_patches._torch.dtensors import check_internals, dtensor_class
 from dtensor_patches._torch.schemas import tree_flatten
-from dtensor_patches.dispatch import fallback_budget, mixed, registration
+from dtensor_patches.dispatch import fallback_budget, mixed, registration, scalar_reads
 from dtensor_patches.dispatch.fallback_report import FallbackRecord, fallback_report, reset_report
 from dtensor_patches.dispatch.gather import placements_text, run_gathered
 from dtensor_patches.dispatch.miss_rules import ensure_hook
@@ -95,6 +95,8 @@ def run_fallback(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: 
     """Run a call that DTensor refused (``error``) on gathered inputs.
 
     Raises:
+        RankLocalCallError: some ranks of the mesh made another call, or none (the call is
+            made on some ranks only); nothing is gathered.
         FallbackBudgetError: the call would gather more than the fallback's budget
             (:mod:`.fallback_budget`); nothing is gathered.
         PatchError: mode ``"error"`` (naming the op and the placements), or DTensors on
@@ -112,6 +114,7 @@ def run_fallback(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: 
         ) from error
     if not leaves:
         raise error
+    scalar_reads.check_same_call(op, leaves)
     fallback_budget.check(op, leaves, placements_text(leaves))
     return run_gathered(op, args, kwargs, first_line(error), error=error)
 

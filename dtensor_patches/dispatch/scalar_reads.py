@@ -16,7 +16,11 @@ item 6). So a read here never touches the user's groups:
   therefore raise :class:`~dtensor_patches.errors.RankLocalReadError` on every rank in it,
   instead of mixing two values;
 - a read the other ranks never make raises the same error after
-  ``DTENSOR_PATCHES_READ_TIMEOUT`` seconds (default 300; the side group's timeout).
+  ``DTENSOR_PATCHES_RANK_CHECK_TIMEOUT`` seconds (default 300; the side group's timeout).
+
+The fallback makes the same check before its collectives (:func:`check_same_call`): a call it
+runs on some ranks only raises :class:`~dtensor_patches.errors.RankLocalCallError` instead of
+pairing its gathers with the other ranks' collectives.
 
 After that error the ranks disagree on which reads happened: the program should stop (the
 message says how to write the read so that every rank makes it).
@@ -44,12 +48,13 @@ import torch
 import torch.distributed as dist
 
 from dtensor_patches._torch.dtensors import local_tensor
-from dtensor_patches.errors import RankLocalReadError, first_line
+from dtensor_patches.errors import RankLocalCallError, RankLocalReadError, first_line
 
-__all__ = ["READ_TIMEOUT_ENV", "read_partial_scalar", "side_group"]
+__all__ = ["RANK_CHECK_TIMEOUT_ENV", "check_same_call", "read_partial_scalar", "side_group"]
 
-READ_TIMEOUT_ENV = "DTENSOR_PATCHES_READ_TIMEOUT"
-"""Seconds a read of a ``Partial`` scalar waits for the other ranks (default 300)."""
+RANK_CHECK_TIMEOUT_ENV = "DTENSOR_PATCHES_RANK_CHECK_TIMEOUT"
+"""Seconds a read of a ``Partial`` scalar, or the fallback's same-call check, waits for the
+other ranks (default 300)."""
 
 _DEFAULT_TIMEOUT_S = 300.0
 _FINGERPRINT_BITS = 52  # exact in a float64
@@ -61,7 +66,7 @@ _SIDE_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 
 def _timeout_s() -> float:
-    raw = os.environ.get(READ_TIMEOUT_ENV, "").strip()
+    raw = os.environ.get(RANK_CHECK_TIMEOUT_ENV, "").strip()
     if not raw:
         return _DEFAULT_TIMEOUT_S
     try:
@@ -69,7 +74,7 @@ def _timeout_s() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"{READ_TIMEOUT_ENV}={raw!r}: a number of seconds > 0 is expected")
+        raise ValueError(f"{RANK_CHECK_TIMEOUT_ENV}={raw!r}: a number of seconds > 0 is expected")
     return value
 
 
@@ -173,7 +178,7 @@ def _reduce_on_side_group(
         raise RankLocalReadError(
             f"{site}: reading a Partial DTensor as a number needs every rank of {list(ranks)}, "
             f"and they did not all make this read within {_timeout_s():g} s "
-            f"({READ_TIMEOUT_ENV}) ({first_line(exc)}). Is it made on some ranks only (`if "
+            f"({RANK_CHECK_TIMEOUT_ENV}) ({first_line(exc)}). Is it made on some ranks only (`if "
             "rank == 0: print(loss.item())`)? Read it on every rank (`value = loss.item()`, "
             "then print on one), or read this rank's share with `loss.to_local().item()`. "
             "The ranks now disagree on which reads happened: stop the program.",
@@ -206,7 +211,7 @@ def read_partial_scalar(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, A
 
     Raises:
         RankLocalReadError: some ranks of a ``Partial`` mesh dim made another read, or none
-            within ``DTENSOR_PATCHES_READ_TIMEOUT`` seconds (see the module doc).
+            within ``DTENSOR_PATCHES_RANK_CHECK_TIMEOUT`` seconds (see the module doc).
     """
     (value,) = args
     placements = tuple(value.placements)
@@ -230,3 +235,50 @@ def read_partial_scalar(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, A
         if len(ranks) > 1:
             share = _reduce_on_side_group(share, placement, ranks, fingerprint, site, exact)
     return op_call(torch.tensor(share, dtype=local.dtype))
+
+
+def check_same_call(op: Any, leaves: list[Any]) -> None:
+    """Before the fallback's collectives: check on the side group of the mesh's ranks that
+    every rank makes this call (the calling line, the op, and each DTensor input's shape,
+    dtype and placements), so that a call on some ranks only never pairs its gathers with
+    another collective of the other ranks (issue 23, item 6).
+
+    Cost: one all-gather of one 8-byte number per rank on the host, on the fallback's path
+    only (a call that gathers its inputs anyway).
+
+    Raises:
+        RankLocalCallError: another rank made another call, or none within
+            ``DTENSOR_PATCHES_RANK_CHECK_TIMEOUT`` seconds; nothing was gathered.
+    """
+    mesh = leaves[0].device_mesh
+    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    if len(ranks) < 2 or not dist.is_initialized():
+        return
+    site = _call_site()
+    parts = [site, str(op), str(mesh.mesh.tolist())]
+    parts += [f"{tuple(x.shape)}{x.dtype}{tuple(x.placements)}" for x in leaves]
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little") >> 1], dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    advice = (
+        "A DTensor op the fallback runs gathers its inputs on every rank of the mesh, so "
+        "every rank must make it (not only `if rank == 0:`). The ranks now disagree on which "
+        "calls happened: stop the program."
+    )
+    try:
+        dist.all_gather(gathered, mine, group=side_group(ranks))
+    except RuntimeError as exc:
+        _forget(ranks)
+        raise RankLocalCallError(
+            f"{site}: {op} runs on gathered inputs over ranks {list(ranks)}, and they did not "
+            f"all make this call within {_timeout_s():g} s ({RANK_CHECK_TIMEOUT_ENV}) "
+            f"({first_line(exc)}). {advice}",
+            site=site,
+        ) from exc
+    if len({int(t.item()) for t in gathered}) > 1:
+        _forget(ranks)
+        raise RankLocalCallError(
+            f"{site}: {op} runs on gathered inputs over ranks {list(ranks)}, and they met in "
+            f"different calls (another line, op or input on some of them). {advice}",
+            site=site,
+        )
