@@ -148,6 +148,31 @@ def _reduced(grad: Any) -> Any:
     return grad
 
 
+def _layout(
+    g: Any,
+    mesh: Any,
+    placements: tuple[Any, ...],
+    union: list[int],
+    by_ranks: dict[Any, _Group],
+    local: _Group,
+) -> tuple[_Group, float]:
+    """The group a gradient of this mesh and placements adds to, and its weight: ``1 / size``
+    of each dim of the mesh's reduction group it is replicated on."""
+    dims = tuple(union)
+    if not any(_splits(placements[d]) for d in dims):
+        return local, 1.0
+    weight = 1.0
+    for d in dims:
+        if not _splits(placements[d]):
+            weight /= mesh.size(d)
+    ranks = _sub_mesh_ranks(mesh, dims)
+    entry = by_ranks.get(ranks)
+    if entry is None:
+        pg = mesh.get_group(dims[0]) if len(dims) == 1 else _flat_group(ranks, mesh.get_group(0))
+        entry = by_ranks[ranks] = _Group(pg, local_tensor(g).device)
+    return entry, weight
+
+
 def _groups(
     grads: list[torch.Tensor], plain: PlainGrads, group: Any
 ) -> tuple[list[_Group], list[torch.Tensor], Any]:
@@ -166,25 +191,17 @@ def _groups(
         union.update(d for d, p in enumerate(g.placements) if _splits(p))
     by_ranks: dict[Any, _Group] = {}
     local = _Group(None, grads[0].device if grads else torch.device("cpu"))
+    # Per (mesh, placements): the group entry (or the local one) and the weight, worked out
+    # once per call, not per gradient (a model has few distinct layouts and many gradients).
+    layouts: dict[tuple[Any, tuple[Any, ...]], tuple[_Group, float]] = {}
     for g in dtensors:
-        mesh = g.device_mesh
-        dims = tuple(sorted(sharded_dims[mesh]))
-        mine = [d for d in dims if _splits(g.placements[d])]
-        if not mine:
-            local.tensors.append(local_tensor(g))
-            local.weights.append(1.0)
-            continue
-        weight = 1.0
-        for d in dims:
-            if not _splits(g.placements[d]):
-                weight /= mesh.size(d)
-        ranks = _sub_mesh_ranks(mesh, dims)
-        entry = by_ranks.get(ranks)
-        if entry is None:
-            pg = (
-                mesh.get_group(dims[0]) if len(dims) == 1 else _flat_group(ranks, mesh.get_group(0))
+        mesh, placements = g.device_mesh, tuple(g.placements)
+        layout = layouts.get((mesh, placements))
+        if layout is None:
+            layout = layouts[(mesh, placements)] = _layout(
+                g, mesh, placements, sorted(sharded_dims[mesh]), by_ranks, local
             )
-            entry = by_ranks[ranks] = _Group(pg, local_tensor(g).device)
+        entry, weight = layout
         entry.tensors.append(local_tensor(g))
         entry.weights.append(weight)
     plains = [g for g in grads if not isinstance(g, dtensor)]
@@ -236,8 +253,13 @@ def _term(entry: _Group, p: float, foreach: bool | None, dtype: torch.dtype) -> 
         nan = stacked.isnan().any().to(dtype)
         return torch.stack([torch.where(stacked.isnan(), 0.0, stacked).max(), nan])
     total = torch.zeros((), dtype=dtype, device=device)
+    # One stacked sum per distinct weight (a few: 1, 1/tp, ...), scaled by a Python number:
+    # no per-gradient kernels, and no host-to-device copy of the weights.
+    by_weight: dict[float, list[torch.Tensor]] = {}
     for n, w in zip(norms, entry.weights, strict=True):
-        total = total + n.pow(p) * w
+        by_weight.setdefault(w, []).append(n)
+    for w, group_norms in by_weight.items():
+        total = total + torch.stack(group_norms).pow(p).sum() * w
     return total.reshape(1)
 
 
