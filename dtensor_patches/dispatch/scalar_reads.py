@@ -116,19 +116,61 @@ def _call_site() -> str:
     return "<unknown>"
 
 
-def _fingerprint(site: str, value: Any) -> int:
-    mesh = value.device_mesh
-    text = "|".join(
-        [
-            site,
-            str(tuple(value.shape)),
-            str(value.dtype),
-            repr(tuple(value.placements)),
-            str(mesh.mesh.tolist()),
-        ]
-    )
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+def _fingerprint(parts: list[str]) -> int:
+    """A 52-bit hash of ``parts``, the same in every process (exact in a float64)."""
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << _FINGERPRINT_BITS) - 1)
+
+
+def _gathered_if_same(
+    ranks: tuple[int, ...],
+    mine: torch.Tensor,
+    site: str,
+    *,
+    what: str,
+    noun: str,
+    advice: str,
+    error: type[RankLocalCallError],
+) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (element 0: the fingerprint) gathered on the side group of
+    ``ranks``, once every fingerprint is found equal.
+
+    Raises:
+        RankLocalCallError (``error``): the other ranks made no such ``noun`` within the
+            timeout, or another one (the fingerprints differ); the side group is forgotten.
+    """
+    gathered = [torch.empty_like(mine) for _ in ranks]
+    try:
+        dist.all_gather(gathered, mine, group=side_group(ranks))
+    except RuntimeError as exc:
+        _forget(ranks)
+        raise error(
+            f"{site}: {what} needs every rank of {list(ranks)}, and they did not all make this "
+            f"{noun} within {_timeout_s():g} s ({RANK_CHECK_TIMEOUT_ENV}) ({first_line(exc)}). "
+            f"{advice}",
+            site=site,
+        ) from exc
+    if len({int(t[0].item()) for t in gathered}) > 1:
+        _forget(ranks)
+        raise error(
+            f"{site}: ranks {list(ranks)} met in different {noun}s ({what}; another line, op, "
+            f"shape, dtype or placement on some of them): a {noun} was made on some ranks only "
+            f"before this one. {advice}",
+            site=site,
+        )
+    return gathered
+
+
+_READ_ADVICE = (
+    "Is it made on some ranks only (`if rank == 0: print(loss.item())`)? Read it on every rank "
+    "(`value = loss.item()`, then print on one), or read this rank's share with "
+    "`loss.to_local().item()`. The ranks now disagree on which reads happened: stop the program."
+)
+_CALL_ADVICE = (
+    "A DTensor op the fallback runs gathers its inputs on every rank of the mesh, so every "
+    "rank must make it (not only `if rank == 0:`). The ranks now disagree on which calls "
+    "happened: stop the program."
+)
 
 
 def _combine(placement: Any, shares: list[float]) -> float:
@@ -169,33 +211,15 @@ def _reduce_on_side_group(
     (``exact``: integers, gathered as int64)."""
     dtype = torch.int64 if exact else torch.float64
     mine = torch.tensor([fingerprint, share], dtype=dtype)
-    gathered = [torch.empty_like(mine) for _ in ranks]
-    try:
-        group = side_group(ranks)
-        dist.all_gather(gathered, mine, group=group)
-    except RuntimeError as exc:
-        _forget(ranks)
-        raise RankLocalReadError(
-            f"{site}: reading a Partial DTensor as a number needs every rank of {list(ranks)}, "
-            f"and they did not all make this read within {_timeout_s():g} s "
-            f"({RANK_CHECK_TIMEOUT_ENV}) ({first_line(exc)}). Is it made on some ranks only (`if "
-            "rank == 0: print(loss.item())`)? Read it on every rank (`value = loss.item()`, "
-            "then print on one), or read this rank's share with `loss.to_local().item()`. "
-            "The ranks now disagree on which reads happened: stop the program.",
-            site=site,
-        ) from exc
-    prints = [int(t[0].item()) for t in gathered]
-    if len(set(prints)) > 1:
-        _forget(ranks)
-        raise RankLocalReadError(
-            f"{site}: ranks {list(ranks)} met in different reads of a Partial DTensor as a "
-            "number (another line, or a tensor of another shape, dtype or placement, on some "
-            "of them): a read was made on some ranks only before this one. Read it on every "
-            "rank (`value = loss.item()`, then print on one), or read this rank's share with "
-            "`loss.to_local().item()`. The ranks now disagree on which reads happened: stop "
-            "the program.",
-            site=site,
-        )
+    gathered = _gathered_if_same(
+        ranks,
+        mine,
+        site,
+        what="reading a Partial DTensor as a number",
+        noun="read",
+        advice=_READ_ADVICE,
+        error=RankLocalReadError,
+    )
     shares = [t[1].item() for t in gathered]
     return _combine(placement, shares)
 
@@ -224,11 +248,13 @@ def read_partial_scalar(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, A
             reduced = value.detach().redistribute(value.device_mesh, wanted)
         return op_call(reduced, **kwargs)
     site = _call_site()
-    fingerprint = _fingerprint(site, value)
+    mesh = value.device_mesh
+    fingerprint = _fingerprint(
+        [site, str(tuple(value.shape)), str(value.dtype), repr(placements), str(mesh.mesh.tolist())]
+    )
     local = local_tensor(value).detach().to("cpu")
     exact = not local.dtype.is_floating_point
     share: float = local.item()
-    mesh = value.device_mesh
     for mesh_dim, placement in partial:
         group = mesh.get_group(mesh_dim)
         ranks = tuple(dist.get_process_group_ranks(group))
@@ -257,28 +283,13 @@ def check_same_call(op: Any, leaves: list[Any]) -> None:
     site = _call_site()
     parts = [site, str(op), str(mesh.mesh.tolist())]
     parts += [f"{tuple(x.shape)}{x.dtype}{tuple(x.placements)}" for x in leaves]
-    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little") >> 1], dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in ranks]
-    advice = (
-        "A DTensor op the fallback runs gathers its inputs on every rank of the mesh, so "
-        "every rank must make it (not only `if rank == 0:`). The ranks now disagree on which "
-        "calls happened: stop the program."
+    mine = torch.tensor([_fingerprint(parts)], dtype=torch.int64)
+    _gathered_if_same(
+        ranks,
+        mine,
+        site,
+        what=f"{op} on gathered inputs",
+        noun="call",
+        advice=_CALL_ADVICE,
+        error=RankLocalCallError,
     )
-    try:
-        dist.all_gather(gathered, mine, group=side_group(ranks))
-    except RuntimeError as exc:
-        _forget(ranks)
-        raise RankLocalCallError(
-            f"{site}: {op} runs on gathered inputs over ranks {list(ranks)}, and they did not "
-            f"all make this call within {_timeout_s():g} s ({RANK_CHECK_TIMEOUT_ENV}) "
-            f"({first_line(exc)}). {advice}",
-            site=site,
-        ) from exc
-    if len({int(t.item()) for t in gathered}) > 1:
-        _forget(ranks)
-        raise RankLocalCallError(
-            f"{site}: {op} runs on gathered inputs over ranks {list(ranks)}, and they met in "
-            f"different calls (another line, op or input on some of them). {advice}",
-            site=site,
-        )
