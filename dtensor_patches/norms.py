@@ -34,7 +34,7 @@ import torch.distributed as dist
 from dtensor_patches._torch.dtensors import dtensor_class, local_tensor
 from dtensor_patches._torch.modes import foreach_mul_, foreach_norm
 
-__all__ = ["PlainGrads", "clip_grad_norm_", "grad_norm", "plain_norm_over_ranks"]
+__all__ = ["PlainGrads", "clip_grad_norm_", "grad_norm"]
 
 PlainGrads = Literal["auto", "replicated", "per_rank"]
 """How plain (non-DTensor) gradients are counted: the same on every rank and counted once
@@ -45,30 +45,39 @@ _GROUPS_LOCK = threading.Lock()
 _FLAT_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}  # ranks -> (world, group)
 
 
-def plain_norm_over_ranks(
-    norm: torch.Tensor, norm_type: float, plain: PlainGrads, group: Any
-) -> torch.Tensor:
-    """The norm of the plain tensors of every rank, the same on each: ``norm`` is this rank's.
-
-    ``"replicated"``: every rank holds the same tensors, counted once (``norm`` itself).
-    ``"per_rank"``: each rank's tensors are its own (FSDP2 ``ignored_params`` whose gradients
-    are not reduced), so the norm is that of all ranks' tensors together. ``"auto"``: one
-    all-gather of the per-rank norms tells which; equal on every rank means replicated.
-    A process group of one rank (or none initialized) needs no collective.
-    """
-    if plain == "replicated" or not dist.is_available() or not dist.is_initialized():
+def _auto_plain_norm(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    """The norm of the plain gradients of every rank (``plain="auto"``), the same on each:
+    ``norm`` is this rank's. One all-gather of the per-rank norms tells the readings apart:
+    equal on every rank means replicated (counted once), else each rank's own (FSDP2
+    ``ignored_params`` whose gradients are not reduced), combined. A process group of one rank
+    (or none initialized) needs no collective."""
+    if not dist.is_available() or not dist.is_initialized():
         return norm
     world = dist.get_world_size(group)
     if world == 1:
         return norm
-    # One all-gather of a scalar per rank: enough for both readings, and the same on every
-    # rank, so clipping scales every shard of a DTensor by one coefficient.
+    # The same on every rank, so clipping scales every shard of a DTensor by one coefficient.
     gathered = [torch.empty_like(norm) for _ in range(world)]
     dist.all_gather(gathered, norm.contiguous(), group=group)
     norms = torch.stack(gathered)
-    if plain == "auto" and bool((norms == norms[0]).all() | norms.isnan().all()):
+    if bool((norms == norms[0]).all() | norms.isnan().all()):
         return norms[0]
     return torch.linalg.vector_norm(norms, float(norm_type))
+
+
+def _by_layout(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """The positions of ``tensors`` per (device, dtype): one ``_foreach`` call each."""
+    positions: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        positions.setdefault((t.device, t.dtype), []).append(i)
+    return positions
+
+
+def _inf_term(values: torch.Tensor) -> torch.Tensor:
+    """``[max of values, any NaN]`` (NaNs left out of the max): the inf-norm's share, reduced
+    with ``MAX`` so that a NaN on one rank is a NaN on every rank."""
+    isnan = values.isnan()
+    return torch.stack([torch.where(isnan, 0.0, values).max(), isnan.any().to(values.dtype)])
 
 
 @dataclass
@@ -229,11 +238,8 @@ def _norms(
         return []
     use_foreach = foreach if foreach is not None else all(t.is_cuda for t in tensors)
     if use_foreach:
-        by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_device.setdefault((t.device, t.dtype), []).append(i)
         out: list[torch.Tensor | None] = [None] * len(tensors)
-        for positions in by_device.values():
+        for positions in _by_layout(tensors).values():
             norms = foreach_norm()([tensors[i] for i in positions], p, dtype=dtype)
             for i, n in zip(positions, norms, strict=True):
                 out[i] = n
@@ -249,9 +255,7 @@ def _term(entry: _Group, p: float, foreach: bool | None, dtype: torch.dtype) -> 
     if math.isinf(p):
         if not norms:
             return torch.zeros(2, dtype=dtype, device=device)
-        stacked = torch.stack(norms)
-        nan = stacked.isnan().any().to(dtype)
-        return torch.stack([torch.where(stacked.isnan(), 0.0, stacked).max(), nan])
+        return _inf_term(torch.stack(norms))
     total = torch.zeros((), dtype=dtype, device=device)
     # One stacked sum per distinct weight (a few: 1, 1/tp, ...), scaled by a Python number:
     # no per-gradient kernels, and no host-to-device copy of the weights.
@@ -346,17 +350,11 @@ def grad_norm(
         terms.append(term)
     if auto:
         norm = torch.linalg.vector_norm(torch.stack(_norms(auto, p, foreach, dtype)), p)
-        norm = plain_norm_over_ranks(norm, p, "auto", group)
-        terms.append(
-            torch.stack([norm, norm.isnan().to(dtype)]) if math.isinf(p) else norm.pow(p).reshape(1)
-        )
+        norm = _auto_plain_norm(norm, p, group)
+        terms.append(_inf_term(norm.reshape(1)) if math.isinf(p) else norm.pow(p).reshape(1))
     total = _combine(terms, p, out_device)
     if pp_group is not None:
-        term = (
-            torch.stack([torch.where(total.isnan(), 0.0, total), total.isnan().to(dtype)])
-            if math.isinf(p)
-            else total.reshape(1)
-        )
+        term = _inf_term(total.reshape(1)) if math.isinf(p) else total.reshape(1)
         term = term.to(_reduce_device(pp_group, out_device))
         _all_reduce(term, p, pp_group)
         total = _combine([term], p, out_device)
@@ -421,11 +419,9 @@ def clip_grad_norm_(
     value = local_tensor(total) if isinstance(total, dtensor) else total
     coefficient = torch.clamp(float(max_norm) / (value + 1e-6), max=1.0)
     locals_ = [local_tensor(g) if isinstance(g, dtensor) else g for g in grads]
-    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in locals_:
-        by_device.setdefault((t.device, t.dtype), []).append(t)
-    for (device, dtype), tensors in by_device.items():
-        scale = coefficient.to(device=device, dtype=dtype)
+    for (device, grad_dtype), positions in _by_layout(locals_).items():
+        tensors = [locals_[i] for i in positions]
+        scale = coefficient.to(device=device, dtype=grad_dtype)
         if foreach or (foreach is None and device.type == "cuda"):
             foreach_mul_()(tensors, scale)
         else:
