@@ -22,6 +22,7 @@ __all__ = [
     "loss_and_grad",
     "parse_placement",
     "randn",
+    "randn_nan_last",
     "run_case",
     "run_cases",
     "to_dtensor",
@@ -170,3 +171,11 @@ def loss_and_grad(loss: Callable[..., torch.Tensor]) -> Callable[..., Any]:
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
     """Deterministic float32 normal samples, identical on every rank."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def randn_nan_last(*shape: int, seed: int = 0) -> torch.Tensor:
+    """:func:`randn` with a NaN as its last element: on the last rank's part of any
+    ``Shard(d)``, so that only one rank's check can find it (NaN/inf guards)."""
+    x = randn(*shape, seed=seed)
+    x.view(-1)[-1] = float("nan")
+    return x

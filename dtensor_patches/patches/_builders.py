@@ -2,9 +2,9 @@
 
 - :func:`dimwise`: a strategy for an op that works along some dims (reductions, scans, order
   statistics, flips, ``select``), see :func:`dtensor_patches.strategies.dimwise_strategy`;
-- :func:`bool_reduction`: a strategy for ``all``/``any`` over dims: each rank reduces its shard,
-  a shard on a reduced dim gives ``Partial`` of the op that combines bools (``product`` is an
-  AND, ``sum`` an OR), ``Partial`` inputs are reduced first;
+- :func:`partial_reduction`: a strategy for a reduction over dims that each rank can do on its
+  shard (``nansum``, ``all``, ``any``): a shard on a reduced dim gives ``Partial`` of the op that
+  combines the results, ``Partial`` inputs are reduced first;
 - :func:`reduce_partial_first`: a miss rule for an op that is wrong on a pending reduction:
   ``Partial`` inputs are reduced first, then torch runs the call on the reduced inputs (its
   normal strategy). The condition is in the op schema, so it is decided once per distinct
@@ -32,7 +32,7 @@ from dtensor_patches.strategies import (
     tensor_meta,
 )
 
-__all__ = ["bool_reduction", "dims_arg", "dimwise", "keepdim_arg", "reduce_partial_first"]
+__all__ = ["dims_arg", "dimwise", "keepdim_arg", "partial_reduction", "reduce_partial_first"]
 
 DimsOf = Callable[[Any], "int | Sequence[int] | None"]
 
@@ -76,12 +76,16 @@ def dimwise(
     return Strategy(op, strategy, schema_info(static_argnum, static_kwargkey))
 
 
-def bool_reduction(op: str, combine: str) -> Strategy:
-    """A :class:`Strategy` for ``all``/``any`` (``op(self)``, ``op.dim(self, dim, keepdim)``,
-    ``op.dims(self, dim=None, keepdim=False)``): a shard on a reduced dim gives
-    ``Partial(combine)`` (``"product"``: AND, ``"sum"``: OR), a shard on another dim stays
-    sharded (renumbered without ``keepdim``), anything else is replicated first (``all`` of
-    ``Partial`` shares is not ``all`` of their sum). No communication."""
+def partial_reduction(
+    op: str, combine: str, static_kwargkey: Sequence[str] | None = None
+) -> Strategy:
+    """A :class:`Strategy` for a reduction ``op(self, dim=None, keepdim=False, ...)`` whose
+    per-shard results combine with one reduce op (``nansum``: ``"sum"``; ``all``:
+    ``"product"``, an AND; ``any``: ``"sum"``, an OR): a shard on a reduced dim gives
+    ``Partial(combine)``, a shard on another dim stays sharded (renumbered without
+    ``keepdim``), anything else is replicated first (the reduction of ``Partial`` shares is
+    not the reduction of their sum). No communication. ``static_kwargkey``: keyword
+    arguments that key the propagation cache (``dtype``)."""
 
     def strategy(op_schema: Any) -> Any:
         from torch.distributed.tensor import Partial, Replicate, Shard
@@ -99,7 +103,7 @@ def bool_reduction(op: str, combine: str) -> Strategy:
 
         return rule_strategy(op_schema, rule)
 
-    return Strategy(op, strategy, schema_info(1))
+    return Strategy(op, strategy, schema_info(1, static_kwargkey))
 
 
 def _has_partial(value: Any) -> bool:

@@ -5,7 +5,7 @@ DTensor (the several-dims overloads, also reached from ``all(dim=[...])``): a ma
 the batch and sequence dims of a sequence-sharded tensor. Through the fallback every rank
 gathers the whole mask. From 2.11 torch decomposes them.
 
-Fix: the same strategy as torch's ``all``/``any`` (:func:`bool_reduction`): each rank reduces its
+Fix: the same strategy as torch's ``all``/``any`` (``partial_reduction``): each rank reduces its
 shard, a shard on a reduced dim gives ``Partial(product)`` for ``all`` (an AND) and
 ``Partial(sum)`` for ``any`` (an OR), a shard on another dim stays sharded, a ``Partial`` input
 is reduced first.
@@ -17,18 +17,15 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from dtensor_patches.patch import Patch, Strategy
-from dtensor_patches.patches._builders import bool_reduction
-from dtensor_patches.reproducers import Case, randn
+from dtensor_patches.patches._builders import partial_reduction
+from dtensor_patches.reproducers import Case, randn_nan_last
 
 
 def _registrations() -> list[Strategy]:
-    return [bool_reduction("aten.all.dims", "product"), bool_reduction("aten.any.dims", "sum")]
-
-
-def _one_nan(*shape: int) -> torch.Tensor:
-    x = randn(*shape)
-    x.view(-1)[-1] = float("nan")  # on the last rank's shard only
-    return x
+    return [
+        partial_reduction("aten.all.dims", "product"),
+        partial_reduction("aten.any.dims", "sum"),
+    ]
 
 
 # The tripwire's cases: several-dims checks where one rank's shard decides, vs the single device.
@@ -36,19 +33,19 @@ CASES = [
     Case(
         "isfinite(x).all(dim=(0, 1), keepdim=True)",
         lambda x: torch.isfinite(x).all(dim=(0, 1), keepdim=True),
-        lambda: [_one_nan(4, 6)],
+        lambda: [randn_nan_last(4, 6)],
         ["S1"],
     ),
     Case(
         "isnan(x).any(dim=(0, 2))",
         lambda x: torch.isnan(x).any(dim=(0, 2)),
-        lambda: [_one_nan(5, 3, 2)],
+        lambda: [randn_nan_last(5, 3, 2)],
         ["S0"],
     ),
     Case(
         "isnan(x).any(dim=(1,))",
         lambda x: torch.isnan(x).any(dim=(1,)),
-        lambda: [_one_nan(5, 3)],
+        lambda: [randn_nan_last(5, 3)],
         ["S0"],
     ),
 ]

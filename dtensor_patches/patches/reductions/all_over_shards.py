@@ -20,21 +20,15 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from dtensor_patches.patch import Patch, Strategy
-from dtensor_patches.patches._builders import bool_reduction
-from dtensor_patches.reproducers import Case, randn
+from dtensor_patches.patches._builders import partial_reduction
+from dtensor_patches.reproducers import Case, randn_nan_last
 
 
 def _registrations() -> list[Strategy]:
     return [
-        bool_reduction("aten.all.default", "product"),
-        bool_reduction("aten.all.dim", "product"),
+        partial_reduction("aten.all.default", "product"),
+        partial_reduction("aten.all.dim", "product"),
     ]
-
-
-def _finite_but_one(*shape: int) -> torch.Tensor:
-    x = randn(*shape)
-    x.view(-1)[-1] = float("nan")  # on the last rank's shard only
-    return x
 
 
 # The tripwire's cases: an AND over shards where one rank's shard holds the only False.
@@ -42,19 +36,19 @@ CASES = [
     Case(
         "isfinite(x).all()",
         lambda x: torch.isfinite(x).all(),
-        lambda: [_finite_but_one(5, 3)],
+        lambda: [randn_nan_last(5, 3)],
         ["S0"],
     ),
     Case(
         "isfinite(x).all(0)",
         lambda x: torch.isfinite(x).all(0),
-        lambda: [_finite_but_one(4, 3)],
+        lambda: [randn_nan_last(4, 3)],
         ["S0"],
     ),
     Case(
         "isfinite(x).all(1)",
         lambda x: torch.isfinite(x).all(1),
-        lambda: [_finite_but_one(5, 3)],
+        lambda: [randn_nan_last(5, 3)],
         ["S0"],
     ),
 ]

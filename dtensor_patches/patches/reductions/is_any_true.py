@@ -20,7 +20,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches.patch import Patch, Strategy
-from dtensor_patches.reproducers import Case, randn
+from dtensor_patches.reproducers import Case, randn, randn_nan_last
 from dtensor_patches.strategies import is_shard, rule_strategy, schema_info
 
 
@@ -44,12 +44,6 @@ def _any_true(mask: torch.Tensor) -> torch.Tensor:
     return resolve_op("aten._is_any_true.default")(mask)
 
 
-def _one_nan(*shape: int) -> torch.Tensor:
-    x = randn(*shape)
-    x.view(-1)[-1] = float("nan")  # on the last rank's shard only
-    return x
-
-
 def _none_true(*shape: int) -> torch.Tensor:
     return randn(*shape).abs() + 1.0
 
@@ -59,7 +53,7 @@ CASES = [
     Case(
         "_is_any_true(isnan(x))",
         lambda x: _any_true(torch.isnan(x)),
-        lambda: [_one_nan(5, 3)],
+        lambda: [randn_nan_last(5, 3)],
         ["S0"],
     ),
     Case(
@@ -71,7 +65,7 @@ CASES = [
     Case(
         "_is_any_true(isnan(x))",
         lambda x: _any_true(torch.isnan(x)),
-        lambda: [_one_nan(3, 2)],
+        lambda: [randn_nan_last(3, 2)],
         ["R"],
     ),
 ]

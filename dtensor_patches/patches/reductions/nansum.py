@@ -14,43 +14,16 @@ NaN. Measured fixed upstream in torch 2.12 (a native strategy).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from packaging.specifiers import SpecifierSet
 
 from dtensor_patches.patch import Patch, Strategy
+from dtensor_patches.patches._builders import partial_reduction
 from dtensor_patches.reproducers import Case, randn
-from dtensor_patches.strategies import (
-    arg,
-    is_shard,
-    normalize_dims,
-    rule_strategy,
-    schema_info,
-    tensor_meta,
-)
-
-
-def _nansum(op_schema: Any) -> Any:
-    """``nansum(self, dim=None, keepdim=False, *, dtype=None)``."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    ndim = len(tensor_meta(op_schema.args_schema[0]).shape)
-    along = normalize_dims(arg(op_schema, 1, "dim"), ndim)
-    keepdim = bool(arg(op_schema, 2, "keepdim", False))
-
-    def rule(p: Any) -> tuple[Any, Any]:
-        if is_shard(p) and p.dim in along:
-            return p, Partial("sum")
-        if is_shard(p):
-            return p, Shard(p.dim if keepdim else p.dim - sum(1 for d in along if d < p.dim))
-        return Replicate(), Replicate()
-
-    return rule_strategy(op_schema, rule)
 
 
 def _registrations() -> list[Strategy]:
-    return [Strategy("aten.nansum.default", _nansum, schema_info(1, ("dtype",)))]
+    return [partial_reduction("aten.nansum.default", "sum", ("dtype",))]
 
 
 def _with_nan(*shape: int) -> torch.Tensor:
