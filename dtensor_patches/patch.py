@@ -16,7 +16,7 @@ from dtensor_patches import state
 from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.dtensors import check_internals
 from dtensor_patches._torch.schemas import resolve_op
-from dtensor_patches._torch.versions import torch_release
+from dtensor_patches._torch.versions import release_of, torch_release
 from dtensor_patches.calls import CallPredicate, needs_sharded_inputs
 from dtensor_patches.dispatch import registration
 from dtensor_patches.dispatch.handler import Handler, LossParallelHandler
@@ -56,7 +56,7 @@ single-device computation, else a one-line description of the failure or mismatc
 
 
 def _release(version: Version | str | None) -> Version:
-    return torch_release() if version is None else Version(Version(str(version)).base_version)
+    return torch_release() if version is None else release_of(version)
 
 
 @dataclass(eq=False)

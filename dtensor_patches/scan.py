@@ -364,7 +364,9 @@ def verdict_for(found: Scan, release: str, facts: Mapping[str, Any]) -> ReleaseV
     """
     has = set(facts["strategies"]) | set(facts["single_dim"]) | set(facts["handlers"])
     decomposes, absent = set(facts["decomposes"]), set(facts["absent"])
-    here = _release_of(found.torch) == _release_of(facts["torch"])
+    from dtensor_patches._torch.versions import release_of
+
+    here = release_of(found.torch) == release_of(facts["torch"])
     out = ReleaseVerdict(release, facts["torch"])
     for call in found.calls.values():
         if call.op in absent:
@@ -383,12 +385,6 @@ def verdict_for(found: Scan, release: str, facts: Mapping[str, Any]) -> ReleaseV
             out.findings.append(Finding(call, "decomposes", _covering(call.op, facts)))
         out.findings.extend(measured)
     return out
-
-
-def _release_of(version: str) -> str:
-    from packaging.version import Version
-
-    return Version(version).base_version
 
 
 def _ran_on_stock(call: Call, found: Scan, facts: Mapping[str, Any]) -> bool | None:

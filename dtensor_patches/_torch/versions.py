@@ -8,6 +8,7 @@ from packaging.version import Version
 __all__ = [
     "dispatches_in_cpp",
     "propagates_through_decompositions",
+    "release_of",
     "subclass_dispatch_honoured",
     "torch_release",
     "torch_version",
@@ -24,13 +25,18 @@ def torch_version() -> Version:
     return Version(torch.__version__)
 
 
+def release_of(version: Version | str) -> Version:
+    """The release a version string is, or leads up to: ``2.14.1+cu130`` -> ``2.14.1``."""
+    return Version(Version(str(version)).base_version)
+
+
 def torch_release() -> Version:
     """The release the running torch is, or leads up to: pre-release, dev and local labels dropped.
 
     ``2.9.0a0+gitabc`` -> ``2.9.0``; ``2.14.1+cu130`` -> ``2.14.1``. Gates compare against this,
     because a nightly of 2.10 carries the 2.10 code base, not the 2.9 one.
     """
-    return Version(torch_version().base_version)
+    return release_of(torch_version())
 
 
 def dispatches_in_cpp() -> bool:
