@@ -161,6 +161,7 @@ def check(op: Any, leaves: list[Any], placements: str) -> int:
 
 
 def reset_usage() -> None:
-    """Forget the bytes counted toward the total budget and the peak (``reset_report()``)."""
+    """Forget the bytes counted toward the total budget and the peak (``reset_report()`` keeps
+    them: it forgets the per-kind records only)."""
     with _LOCK:
         _USED[0] = _USED[1] = 0
