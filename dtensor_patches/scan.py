@@ -251,9 +251,9 @@ class Finding:
     ``"decomposes"`` (no strategy, DTensor decomposes the op there, by its
     CompositeImplicitAutograd kernel or, from 2.11, its ``torch._decomp`` entry; stock torch
     may still refuse a part, which ``apply_all()``'s fallback takes), ``"wrong"``/``"fails"``
-    (a patch's reproducer measured this
-    release's stock torch wrong or raising on this case; ``certain`` is ``False`` when the
-    placements cannot tell whether the call is that case), ``"absent"`` (no such op there).
+    (a patch's reproducer measured this release's stock torch wrong or raising on this case;
+    ``certain`` is ``False`` when the placements cannot tell whether the call is that case),
+    ``"absent"`` (no such op there).
     ``patches``: the patches that cover it there (``apply_all()``); ``fallback``: no patch does
     and the call fallback (``dtensor_patches.fallback``) would have to take it.
     """
