@@ -86,17 +86,6 @@ def test_second_apply_all_keeps_the_fallback_mode(pool2: RankPool) -> None:
 
 
 # --- item 11: patches changed while another thread runs DTensor ops -------------------------
-#
-# These toggle the patches while another thread runs DTensor ops, which torch itself is not
-# safe for (docs/known-gaps.md); they get two ranks of their own, so that whatever state the
-# toggling leaves in a rank dies with it instead of reaching later tests of the shared pool
-# (a full run once crashed a shared rank later with a gloo heap corruption).
-
-
-@pytest.fixture(scope="module")
-def toggling_pool() -> Any:
-    with RankPool(2, timeout=300) as pool:
-        yield pool
 
 
 def _local_ops_while(toggle: Any, seconds: float) -> dict[str, Any]:
@@ -190,8 +179,8 @@ def _rule_table_case(seconds: float) -> dict[str, Any]:
         dtensor_patches.revert_all()
 
 
-def test_miss_rules_changed_while_another_thread_misses(toggling_pool: RankPool) -> None:
-    for rank, r in enumerate(toggling_pool.run(_rule_table_case, 3.0)):
+def test_miss_rules_changed_while_another_thread_misses(pool2: RankPool) -> None:
+    for rank, r in enumerate(pool2.run(_rule_table_case, 3.0)):
         assert not r["errors"], f"rank {rank}: {r['errors'][0]}"
         assert not r["wrong"], f"rank {rank}: wrong values at ops {r['wrong']}"
         assert r["ops"] > 0 and r["toggles"] > 0, (rank, r)
@@ -247,8 +236,8 @@ def _table_changed_during_a_miss_case() -> dict[str, Any]:
         dtensor_patches.revert_all()
 
 
-def test_miss_decided_while_the_rule_table_changes(toggling_pool: RankPool) -> None:
-    for rank, r in enumerate(toggling_pool.run(_table_changed_during_a_miss_case)):
+def test_miss_decided_while_the_rule_table_changes(pool2: RankPool) -> None:
+    for rank, r in enumerate(pool2.run(_table_changed_during_a_miss_case)):
         assert r == {"error": None, "values": True}, (rank, r)
 
 
@@ -266,8 +255,8 @@ def _apply_revert_case(seconds: float) -> dict[str, Any]:
         dtensor_patches.revert_all()
 
 
-def test_apply_and_revert_while_another_thread_runs_ops(toggling_pool: RankPool) -> None:
-    for rank, r in enumerate(toggling_pool.run(_apply_revert_case, 2.0)):
+def test_apply_and_revert_while_another_thread_runs_ops(pool2: RankPool) -> None:
+    for rank, r in enumerate(pool2.run(_apply_revert_case, 2.0)):
         assert not r["errors"], f"rank {rank}: {r['errors'][0]}"
         assert not r["wrong"], f"rank {rank}: wrong values at ops {r['wrong']}"
         assert r["toggles"] > 0, (rank, r)
