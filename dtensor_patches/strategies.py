@@ -65,18 +65,26 @@ PartialRule = Callable[[list[tuple[int, "Placement"]]], "tuple[list[Placement], 
 def redistribute_cost(src: DTensorSpec, dst: DTensorSpec) -> float:
     """Rough cost of redistributing ``src`` to ``dst`` (both ``DTensorSpec``).
 
-    Zero when the placements are equal, otherwise the tensor's size in bytes (an upper bound
-    for one collective over it); only the ordering matters to DTensor's strategy selection.
+    Per mesh dim: zero where the placement stays, and where ``src`` is ``Replicate()`` (a shard
+    or a ``Partial`` share of a replicated tensor is cut locally, as torch counts it), otherwise
+    the tensor's size in bytes (an upper bound for one collective over it). Only the ordering
+    matters to DTensor's strategy selection; without the zero for a replicated source, a
+    pointwise ``Replicate() + Shard(d)`` tied between its candidates and could gather the shard
+    (measured on 2.9 with ``partial_add_scalar``'s ``add`` strategy).
     """
-    if tuple(src.placements) == tuple(dst.placements):
+    moves = [
+        not (a == b or bool(getattr(a, "is_replicate", lambda: False)()))
+        for a, b in zip(src.placements, dst.placements, strict=True)
+    ]
+    if not any(moves):
         return 0.0
     meta = src.tensor_meta
     if meta is None:
-        return 1.0
+        return float(sum(moves))
     numel = 1
     for size in meta.shape:
         numel *= int(size)
-    return float(numel * meta.dtype.itemsize)
+    return float(numel * meta.dtype.itemsize * sum(moves))
 
 
 def tensor_meta(strategy: OpStrategy) -> TensorMeta:

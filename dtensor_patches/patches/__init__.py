@@ -10,6 +10,7 @@ together. The families:
 - ``indexing``: advanced indexing, indexed writes, data-dependent output shapes;
 - ``writes``: in-place writes (``Partial`` targets, writes through redistributed views);
 - ``losses``: losses reduced over shards, ``loss_parallel()``;
+- ``vocab``: ops along a sharded class (vocabulary) dim: softmax, gather of ids, top-k;
 - ``nn``: attention, convolutions, matrix-vector products;
 - ``parallel_styles``: tensor-parallel plans.
 
@@ -73,6 +74,12 @@ from dtensor_patches.patches.views import (
     t_of_vector,
     unbind,
     unfold,
+)
+from dtensor_patches.patches.vocab import (
+    gather_over_shards,
+    nll_loss_over_classes,
+    softmax_over_shards,
+    topk_over_shards,
 )
 from dtensor_patches.patches.writes import cumsum_inplace, inplace_writes, view_writes
 
@@ -142,6 +149,10 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         mv.PATCH,
         elementwise_losses.PATCH,
         nll_loss.PATCH,
+        softmax_over_shards.PATCH,
+        gather_over_shards.PATCH,
+        nll_loss_over_classes.PATCH,
+        topk_over_shards.PATCH,
         partial_item.PATCH,
         partial_norms.PATCH,
         loss_parallel_backward.PATCH,

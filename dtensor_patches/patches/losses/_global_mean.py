@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from dtensor_patches._torch.dtensors import local_tensor
+from dtensor_patches._torch.dtensors import local_shape_and_offset, local_tensor
 from dtensor_patches._torch.schemas import op_arguments
 from dtensor_patches.dispatch.gather import replicated_result
 from dtensor_patches.dispatch.shards import shard_of
 from dtensor_patches.strategies import is_shard
 
-__all__ = ["elementwise_loss", "nll_loss"]
+__all__ = ["class_sharded", "elementwise_loss", "nll_loss"]
 
 
 # ATen's loss reductions (at::Reduction): the ``reduction`` argument of every loss op.
@@ -145,19 +145,38 @@ def elementwise_loss(op_call: Any, args: Any, kwargs: Any) -> Any:
     return _partial_sum(out, mesh, placements)
 
 
+def shard_extent(shape: Any, mesh: Any, placements: Any, dim: int) -> tuple[int, int]:
+    """``(offset, size)`` of this rank's block along ``dim``."""
+    local_shape, offset = local_shape_and_offset(shape, mesh, placements)
+    return offset[dim], local_shape[dim]
+
+
+def _class_shard_targets(
+    target: torch.Tensor, ignore_index: int, offset: int, size: int
+) -> torch.Tensor:
+    """Targets of this rank's class block: ``target - offset`` where it falls in the block,
+    else -1, which the local kernel is then told to ignore (the caller's ``ignore_index``
+    included: shifted, it could name a class of this block)."""
+    local = target - offset
+    keep = (target != ignore_index) & (local >= 0) & (local < size)
+    return torch.where(keep, local, torch.full_like(local, -1))
+
+
 def nll_loss(op_call: Any, args: Any, kwargs: Any) -> Any:
-    """``nll_loss_forward``/``nll_loss2d_forward`` and their backward, batch dims kept sharded.
+    """``nll_loss_forward``/``nll_loss2d_forward`` and their backward, on shards.
 
     ``self`` is ``[C]``, ``[N, C]`` or ``[N, C, d1, …]`` (log-probabilities); ``target`` has
     the same shape without the class dim ``C``; ``weight`` (per class) is replicated. Shards
-    on every dim but ``C`` stay; ``C`` is gathered. ``mean`` is the weighted sum over all
+    on every dim stay. A shard of ``C`` (vocab-parallel log-probs) picks the targets that fall
+    in its class block and the results are summed over those mesh dims (``Partial(sum)``, also
+    for ``reduction="none"``): no gather of ``[N, C]``. ``mean`` is the weighted sum over all
     ranks divided by the global total weight (sum of the weights of the non-ignored targets),
     one scalar all-reduce; the per-rank weighted means that torch 2.9 to 2.13 average are
     wrong whenever ranks hold different total weights (uneven shards, ``ignore_index``,
     class weights). The backward takes that global total weight, so the local kernel's
-    gradient is already the global one.
+    gradient is already the global one, and is sharded like ``self``.
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     bound = op_arguments(op_call, tuple(args), dict(kwargs))
     x = bound["self"]
@@ -165,16 +184,27 @@ def nll_loss(op_call: Any, args: Any, kwargs: Any) -> Any:
         return replicated_result(op_call, args, kwargs)
     mesh, shape = x.device_mesh, x.shape
     channel = 1 if len(shape) >= 2 else 0
-    placements = [p if is_shard(p) and p.dim != channel else Replicate() for p in x.placements]
+    placements = [p if is_shard(p) else Replicate() for p in x.placements]
+    over_classes = [i for i, p in enumerate(placements) if is_shard(p) and p.dim == channel]
     target_placements = [
-        Shard(p.dim - (1 if p.dim > channel else 0)) if is_shard(p) else p for p in placements
+        Shard(p.dim - (1 if p.dim > channel else 0))
+        if is_shard(p) and p.dim != channel
+        else Replicate()
+        for p in placements
     ]
     replicate = [Replicate()] * mesh.ndim
     target_shape = bound["target"].shape
     local = dict(bound)
     local["self"] = _local(x, mesh, placements)
     local["target"] = _local(bound["target"], mesh, target_placements)
-    local["weight"] = _local(bound["weight"], mesh, replicate)
+    class_placements = [Shard(0) if i in over_classes else Replicate() for i in range(mesh.ndim)]
+    local["weight"] = _local(bound["weight"], mesh, class_placements)
+    if over_classes:
+        offset, size = shard_extent(shape, mesh, placements, channel)
+        local["target"] = _class_shard_targets(
+            local["target"], int(bound["ignore_index"]), offset, size
+        )
+        local["ignore_index"] = -1
     reduction = int(bound["reduction"])
     if "grad_output" in bound:
         grad_placements = target_placements if reduction == _NONE else replicate
@@ -183,8 +213,11 @@ def nll_loss(op_call: Any, args: Any, kwargs: Any) -> Any:
         return _sharded(op_call(*local.values()), mesh, placements, shape)
     if reduction == _NONE:
         out, total = op_call(*local.values())
+        summed = [
+            Partial("sum") if i in over_classes else p for i, p in enumerate(target_placements)
+        ]
         return (
-            _sharded(out, mesh, target_placements, target_shape),
+            _sharded(out, mesh, summed, target_shape),
             DTensor.from_local(total, mesh, replicate, run_check=False),
         )
     local["reduction"] = _SUM
@@ -198,3 +231,17 @@ def nll_loss(op_call: Any, args: Any, kwargs: Any) -> Any:
         _partial_sum(out / total, mesh, placements),
         DTensor.from_local(total, mesh, replicate, run_check=False),
     )
+
+
+def class_sharded(op_schema: Any, *, backward: bool) -> bool:
+    """Whether an ``nll_loss`` call's ``self`` (argument 1 of the backward ops, 0 of the
+    forward ones) is sharded on its class dim, with plain ``Shard`` and ``Replicate``
+    placements only."""
+    position = 1 if backward else 0
+    args = op_schema.args_schema
+    x = args[position] if len(args) > position else None
+    placements = getattr(x, "placements", None)
+    if placements is None or not all(is_shard(p) or p.is_replicate() for p in placements):
+        return False
+    channel = 1 if len(x.shape) >= 2 else 0
+    return any(is_shard(p) and p.dim == channel for p in placements)

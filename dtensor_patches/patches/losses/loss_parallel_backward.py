@@ -27,6 +27,10 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch.dtensors import local_tensor, make_dtensor, spec_of
 from dtensor_patches.patch import LossParallelHandler, Patch
+from dtensor_patches.patches._along_shards import (
+    sharded_along,
+    softmax_backward_on_shards,
+)
 from dtensor_patches.reproducers import compare, failure_of, randn
 
 _LOG_SOFTMAX_BACKWARD = "aten._log_softmax_backward_data.default"
@@ -51,6 +55,10 @@ def _log_softmax_backward(torch_handler: Callable[..., Any]) -> Callable[..., An
     def handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad_output, output = args[0], args[1]
         dim, input_dtype = args[2], args[3]
+        if sharded_along(output, dim):
+            # On the shard, whatever layout the gradient arrives in (a replicated one is cut
+            # locally): one all-reduce of [..., 1].
+            return softmax_backward_on_shards(op_call, args, kwargs)
         total = grad_output.sum(dim, keepdim=True)
         return (grad_output - output.exp() * total).to(input_dtype)
 

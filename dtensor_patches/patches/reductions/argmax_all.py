@@ -12,11 +12,13 @@ the first occurrence in flattened order once a dim other than 0 is sharded: for
 Fix (a custom handler replacing torch's): without ``dim``, the input is gathered (``Partial``
 reduced) and the op runs once on the full tensor, so ties resolve exactly as on one device;
 the 0-d (or all-ones with ``keepdim``) index is ``Replicate()``. With ``dim`` the call goes to
-torch's own handler where there is one (2.10+, correct there and cheaper: it gathers only
-per-rank winners), except for a 1-D input, where torch's handler raises on a reshape
+torch's own handler where there is one (2.10+, correct there: it gathers only per-rank
+winners), except for a 1-D input, where torch's handler raises on a reshape
 (``logits[-1].argmax(-1)`` of vocab-sharded logits: ``shape '[1, 4, 2]' is invalid``, measured on
-2.13); on 2.9, which has no handler, and for 1-D inputs, the reduced dim is gathered and other
-shards stay. Measured failing on every release 2.9 to 2.15.
+2.13); on 2.9, which has no handler, and for 1-D inputs, a sharded reduced dim is answered
+from per-rank winners too (each rank's best value and global index, all-gathered: two tensors
+of the result's size; NaN first, ties to the lower index) and other shards stay. Measured
+failing on every release 2.9 to 2.15.
 """
 
 from __future__ import annotations
@@ -36,12 +38,97 @@ from dtensor_patches.reproducers import Case, randn
 from dtensor_patches.strategies import is_shard
 
 
+def _pick(values: torch.Tensor, indices: torch.Tensor, largest: bool) -> torch.Tensor:
+    """The winner among per-rank candidates stacked on dim 0 (global indices): a NaN first
+    (argmax/argmin return the first NaN), then the best value, ties to the lower index."""
+    nan = (
+        values.isnan() if values.is_floating_point() else torch.zeros_like(values, dtype=torch.bool)
+    )
+    best = torch.where(nan, values.new_zeros(()), values)
+    best = best.amax(0) if largest else best.amin(0)
+    any_nan = nan.any(0)
+    chosen = torch.where(any_nan, nan, (values == best) & ~nan)
+    beyond = torch.iinfo(indices.dtype).max
+    return torch.where(chosen, indices, indices.new_full((), beyond)).amin(0)
+
+
+def _by_winners(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
+    """``argmax(x, dim)`` / ``argmin`` with ``dim`` sharded: each rank's winner and its value,
+    all-gathered over the mesh dims that shard ``dim`` (two tensors of the result's size per
+    rank), and the first best of them; other shards kept."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from dtensor_patches._torch.dtensors import local_shape_and_offset
+
+    mesh = x.device_mesh
+    local = local_tensor(x)
+    largest = "argmax" in op_call.name()
+    shape_local, offset = local_shape_and_offset(x.shape, mesh, x.placements)
+    if shape_local[dim] == 0:
+        worst = float("-inf") if largest else float("inf")
+        out_shape = [n for d, n in enumerate(local.shape) if d != dim]
+        values = (
+            local.new_full(out_shape, worst)
+            if local.is_floating_point()
+            else local.new_full(
+                out_shape, torch.iinfo(local.dtype).min if largest else torch.iinfo(local.dtype).max
+            )
+        )
+        indices = torch.full(out_shape, x.shape[dim], dtype=torch.long, device=local.device)
+    else:
+        indices = op_call(local, dim, False)
+        values = local.gather(dim, indices.unsqueeze(dim)).squeeze(dim)
+        indices = indices + offset[dim]
+    over = [i for i, p in enumerate(x.placements) if is_shard(p) and p.dim == dim]
+    for mesh_dim in over:
+        group = mesh.get_group(mesh_dim)
+        size = dist.get_world_size(group)
+        all_values = [torch.empty_like(values) for _ in range(size)]
+        all_indices = [torch.empty_like(indices) for _ in range(size)]
+        dist.all_gather(all_values, values.contiguous(), group=group)
+        dist.all_gather(all_indices, indices.contiguous(), group=group)
+        stacked_values, stacked_indices = torch.stack(all_values), torch.stack(all_indices)
+        indices = _pick(stacked_values, stacked_indices, largest)
+        chosen = (stacked_indices == indices).long().argmax(0, keepdim=True)
+        values = stacked_values.gather(0, chosen).squeeze(0)
+    if keepdim:
+        indices = indices.unsqueeze(dim)
+    placements = [
+        Replicate()
+        if i in over or not is_shard(p)
+        else Shard(p.dim if keepdim or p.dim < dim else p.dim - 1)
+        for i, p in enumerate(x.placements)
+    ]
+    shape = list(x.shape)
+    if keepdim:
+        shape[dim] = 1
+    else:
+        shape.pop(dim)
+    size_out = torch.Size(shape)
+    return DTensor.from_local(
+        indices,
+        mesh,
+        placements,
+        run_check=False,
+        shape=size_out,
+        stride=contiguous_stride(size_out),
+    )
+
+
 def _along_dim(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
-    """``argmax(x, dim)`` with the reduced dim gathered, other shards kept (torch 2.9)."""
+    """``argmax(x, dim)``: per-rank winners where ``dim`` is sharded (:func:`_by_winners`),
+    else the local op with other shards kept; a ``Partial`` input is reduced first."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     ndim = max(x.ndim, 1)
     dim %= ndim
+    if (
+        x.ndim > 0
+        and all(is_shard(p) or p.is_replicate() for p in x.placements)
+        and any(is_shard(p) and p.dim == dim for p in x.placements)
+    ):
+        return _by_winners(op_call, x, dim, keepdim)
     placements = tuple(p if is_shard(p) and p.dim != dim else Replicate() for p in x.placements)
     if placements != tuple(x.placements):
         x = x.redistribute(x.device_mesh, placements)
@@ -114,6 +201,12 @@ CASES = [
     ),
     Case("x.argmax(1) Shard(1)", lambda x: x.argmax(1), lambda: [randn(4, 6)], ["S1"]),
     Case("v.argmax(-1) 1-D Shard(0)", lambda v: v.argmax(-1), lambda: [randn(6)], ["S0"]),
+    Case(
+        "logits.argmin(-1) Shard(-1) [2, 3, 11]",
+        lambda x: x.argmin(-1),
+        lambda: [randn(2, 3, 11)],
+        ["S2"],
+    ),
     Case(
         "argmin(v, 0, keepdim) 1-D Shard(0)",
         lambda v: torch.argmin(v, 0, True),
