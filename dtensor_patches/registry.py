@@ -199,6 +199,11 @@ def apply_all(
             earlier ``apply_all()`` chose (since the last ``revert_all()``), else ``"warn"``.
             ``DTENSOR_PATCHES_FALLBACK`` overrides it.
 
+    With ``DTENSOR_PATCHES_VERIFY`` set (``sample``, ``sample=0.1``, ``full``; ``,steps=N``),
+    the first call also starts a run verification on this thread
+    (:mod:`dtensor_patches.verify_run`): the run's DTensor calls are checked against the
+    single device, mismatches logged.
+
     Returns:
         A :class:`~dtensor_patches.report.Report` with one outcome per registered patch.
 
@@ -209,6 +214,7 @@ def apply_all(
     """
     chosen, excluded = _selection(only, exclude)
     _fallback.resolve_mode(fallback)  # an unknown mode raises before anything changes
+    verify_run = _verify_run_from_env()  # likewise an unreadable DTENSOR_PATCHES_VERIFY
     with state.LOCK:
         choice_before = state.FALLBACK_CHOICE.get("mode")
         fallback_mode = _fallback.resolve_mode(fallback, choice_before)
@@ -242,7 +248,25 @@ def apply_all(
             _restore_choice(choice_before)
             raise PatchError("strict apply_all failed, nothing applied: " + "; ".join(failures))
         log.info("%s", report)
-        return report
+    if verify_run:
+        from dtensor_patches.verify_run import start_from_env
+
+        start_from_env()
+    return report
+
+
+def _verify_run_from_env() -> bool:
+    """Whether ``DTENSOR_PATCHES_VERIFY`` asks for a run verification (its value is checked).
+
+    Raises:
+        ValueError: the value is not understood.
+    """
+    value = os.environ.get("DTENSOR_PATCHES_VERIFY", "")
+    if not value.strip():
+        return False
+    from dtensor_patches.verify_run import parse_setting
+
+    return parse_setting(value) is not None
 
 
 def _install_fallback(mode: str) -> str | None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from dtensor_patches._callable_module import call_through
 from dtensor_patches.calls import Call, needs_sharded_inputs
 from dtensor_patches.errors import first_line
 
@@ -552,3 +553,6 @@ def scan_function(target: str, *, world_size: int = 2, apply_patches: bool = Fal
     for other in results[1:]:
         found.merge(other)
     return found
+
+
+call_through(__name__, scan)

@@ -26,10 +26,12 @@ from __future__ import annotations
 import functools
 import os
 import re
+import threading
 import traceback
 import weakref
+import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from dtensor_patches import state
+from dtensor_patches._callable_module import call_through
 from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.dtensors import (
     base_of,
@@ -60,7 +63,15 @@ from dtensor_patches.dispatch.shards import in_layout_of
 from dtensor_patches.dispatch.tracked_views import region_in, view_record
 from dtensor_patches.errors import LostWriteError
 
-__all__ = ["Mismatch", "VerifyError", "VerifyReport", "verify"]
+__all__ = [
+    "PROCESS_SIGNATURES",
+    "Mismatch",
+    "Signatures",
+    "VerifyError",
+    "VerifyReport",
+    "signature",
+    "verify",
+]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -122,6 +133,11 @@ class VerifyReport:
         patched: calls a patch ran (a strategy, handler or miss rule of that patch), by patch.
         fallback: calls the call fallback (issue 10) ran, by op.
         unchecked: calls not compared, by reason (``"random: aten.native_dropout.default"``).
+        signatures: distinct call signatures checked in this block (sampling modes; in the
+            full mode every call is checked and this stays 0).
+        skipped: calls let through unchecked because their signature was seen before, in this
+            block or an earlier one sharing the same :class:`Signatures`, or was not sampled.
+            They are not counted in ``calls``.
     """
 
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -130,6 +146,8 @@ class VerifyReport:
     patched: Counter[str] = field(default_factory=Counter)
     fallback: Counter[str] = field(default_factory=Counter)
     unchecked: Counter[str] = field(default_factory=Counter)
+    signatures: int = 0
+    skipped: int = 0
 
     @property
     def clean(self) -> bool:
@@ -153,6 +171,11 @@ class VerifyReport:
             )
             + f", fallback {sum(self.fallback.values())}",
         ]
+        if self.signatures or self.skipped:
+            lines.append(
+                f"  sampled: {self.signatures} signature(s) checked, "
+                f"{self.skipped} call(s) with a seen or unsampled signature let through"
+            )
         if self.unchecked:
             lines.append(
                 "  unchecked: " + ", ".join(f"{k} x{v}" for k, v in self.unchecked.most_common())
@@ -262,12 +285,113 @@ def _spec_problem(x: Any) -> str | None:
     return None
 
 
+def _key(value: Any, dtensor: type) -> Hashable:
+    """The part of a call's signature that one argument contributes: a DTensor's class, mesh,
+    placements, shape, stride and dtype; a plain tensor's shape and dtype; containers
+    element-wise; ints, bools, strings, dtypes and devices by value; floats by kind (no
+    sharding decision depends on a float's value, and a learning rate that changes every step
+    would make every step new)."""
+    if isinstance(value, dtensor):
+        return (
+            type(value).__name__,
+            value.device_mesh,
+            tuple(value.placements),
+            tuple(value.shape),
+            value.stride(),
+            value.dtype,
+        )
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_key(v, dtensor) for v in value))
+    if isinstance(value, float):
+        return "float"
+    if (
+        isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout))
+        or value is None
+    ):
+        return value
+    if isinstance(value, torch.memory_format):
+        return str(value)
+    return type(value).__name__
+
+
+def signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """The signature :func:`verify` samples by: the op overload and the key of every argument
+    (see :func:`_key`); equal on every rank for the same SPMD call."""
+    dtensor = dtensor_class()
+    return (
+        func,
+        tuple(_key(a, dtensor) for a in args),
+        tuple((k, _key(v, dtensor)) for k, v in kwargs.items()),
+    )
+
+
+def _sampled(key: Hashable, fraction: float) -> bool:
+    """Whether a new signature is checked at ``fraction``: decided from a hash of its text,
+    so every rank decides alike (Python's ``hash`` of a string differs between processes)."""
+    if fraction >= 1.0:
+        return True
+    return zlib.crc32(repr(key).encode()) / 2**32 < fraction
+
+
+class Signatures:
+    """The call signatures that :func:`verify` sampling modes have decided on, shared by the
+    blocks given the same instance (by default one per process), so that a training loop's
+    first step checks its calls and later steps let them through.
+
+    ``len()`` is the number of signatures decided; :meth:`clear` forgets them.
+    """
+
+    def __init__(self) -> None:
+        self._decided: dict[Hashable, bool] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._decided)
+
+    def clear(self) -> None:
+        """Forget every signature: the next block checks all of them again."""
+        with self._lock:
+            self._decided.clear()
+
+    def decide(self, key: Hashable, fraction: float) -> bool:
+        """``True`` when a call with signature ``key`` is to be checked now: the first time it
+        is seen, if sampled at ``fraction``; ``False`` afterwards."""
+        if key in self._decided:
+            return False
+        with self._lock:
+            if key in self._decided:
+                return False
+            self._decided[key] = _sampled(key, fraction)
+            return self._decided[key]
+
+
+PROCESS_SIGNATURES = Signatures()
+"""The :class:`Signatures` that ``verify(sample=...)`` uses unless given its own."""
+
+
 class _Checker:
-    def __init__(self, atol: float, rtol: float, raise_on_mismatch: bool) -> None:
+    def __init__(
+        self,
+        atol: float,
+        rtol: float,
+        raise_on_mismatch: bool,
+        fraction: float | None = None,
+        signatures: Signatures | None = None,
+        on_mismatch: Callable[[Mismatch], None] | None = None,
+    ) -> None:
         self.atol = atol
         self.rtol = rtol
         self.raise_on_mismatch = raise_on_mismatch
         self.report = VerifyReport()
+        # Sampling: None checks every call; else each new signature at this fraction.
+        self.fraction = fraction
+        self.signatures = signatures if signatures is not None else PROCESS_SIGNATURES
+        self.on_mismatch = on_mismatch
+        # False lets every call through (a run verification whose steps are over, while a
+        # mode entered after it keeps it on the stack).
+        self.active = True
         # Views made inside the block: id(view) -> (weakref to it, its view record).
         self._views: dict[
             int, tuple[Any, tuple[Any, Any, tuple[Any, ...], dict[str, Any], int | None]]
@@ -422,6 +546,8 @@ class _Checker:
             text, diff = problem
             mismatch = Mismatch(name, phase, where, text, diff, inputs, outputs, _source(phase))
             self.report.mismatches.append(mismatch)
+            if self.on_mismatch is not None:
+                self.on_mismatch(mismatch)
             if self.raise_on_mismatch:
                 raise VerifyError(mismatch)
         return out
@@ -539,9 +665,22 @@ def _mode_class() -> type:
         ) -> Any:
             kwargs = kwargs or {}
             dtensor = dtensor_class()
-            if not any(isinstance(x, dtensor) for x in tree_leaves((args, kwargs))):
+            # ``types`` names the tensor subclasses among the arguments: empty for the plain
+            # local ops DTensor itself runs, which are most calls this mode sees.
+            if not any(issubclass(t, dtensor) for t in types) or not any(
+                isinstance(x, dtensor) for x in tree_leaves((args, kwargs))
+            ):
                 return func(*args, **kwargs)
-            return self.checker.call(func, args, kwargs)
+            checker = self.checker
+            if not checker.active:
+                return func(*args, **kwargs)
+            if checker.fraction is not None:
+                key = signature(func, args, kwargs)
+                if not checker.signatures.decide(key, checker.fraction):
+                    checker.report.skipped += 1
+                    return func(*args, **kwargs)
+                checker.report.signatures += 1
+            return checker.call(func, args, kwargs)
 
     return VerifyMode
 
@@ -552,12 +691,19 @@ def verify(
     atol: float = 1e-5,
     rtol: float = 1e-4,
     raise_on_mismatch: bool = True,
-    trace_backward: bool = True,
+    trace_backward: bool | None = None,
+    sample: bool | float = False,
+    signatures: Signatures | None = None,
 ) -> Iterator[VerifyReport]:
     """Check every DTensor op that runs inside the block against the same op on full tensors.
 
     Run it collectively (every rank enters the block and runs the same calls): inputs are
-    gathered with collectives. Use it for a few steps of debugging; it gathers everything.
+    gathered with collectives. The full mode (the default) checks every call: for a few steps
+    of debugging. ``sample=True`` checks each distinct call signature (op overload, and each
+    argument's placements, mesh, shape, stride and dtype, non-tensor arguments; floats by kind)
+    once and lets later calls with it through unchecked, across blocks that share
+    ``signatures``: wrap every training step in it and the first step pays, the later ones
+    cost little more than the mode's dispatch (``benchmarks/verify_cost.py``).
 
     Args:
         atol, rtol: tolerance for floating results (``torch.allclose``); integer, bool and
@@ -566,6 +712,14 @@ def verify(
             so the traceback points at it); ``False`` collects every mismatch in the report.
         trace_backward: record forward stack traces (autograd anomaly mode, NaN checks off)
             so that a mismatch in a backward op names the forward line that caused it.
+            Default: on in the full mode, off when sampling (it costs on every forward op,
+            checked or not).
+        sample: ``False`` checks every call; ``True`` each new signature once; a float in
+            ``(0, 1]`` only that fraction of the new signatures (chosen from a hash of the
+            signature, the same on every rank), for a long run.
+        signatures: where sampling remembers the signatures it decided on; default
+            :data:`PROCESS_SIGNATURES` (one per process). Give a fresh :class:`Signatures` to
+            check everything again.
 
     Yields:
         A :class:`VerifyReport`, filled while the block runs.
@@ -573,6 +727,7 @@ def verify(
     Raises:
         VerifyError: a DTensor call's result differs (``raise_on_mismatch=True``).
         PatchError: an internal this tool needs moved in this torch release.
+        ValueError: ``sample`` is a number outside ``(0, 1]``.
 
     Example::
 
@@ -581,7 +736,10 @@ def verify(
             loss.backward()
         print(report)
     """
-    checker = _Checker(atol, rtol, raise_on_mismatch)
+    fraction = _fraction(sample)
+    if trace_backward is None:
+        trace_backward = fraction is None
+    checker = _Checker(atol, rtol, raise_on_mismatch, fraction, signatures)
     mode = _mode_class()(checker)
     anomaly = (
         torch.autograd.set_detect_anomaly(True, check_nan=False) if trace_backward else _nothing()
@@ -590,6 +748,22 @@ def verify(
         yield checker.report
 
 
+def _fraction(sample: bool | float) -> float | None:
+    """``sample`` as the fraction of new signatures to check, or ``None`` for every call."""
+    if sample is False:
+        return None
+    if sample is True:
+        return 1.0
+    if not isinstance(sample, (int, float)) or not 0.0 < float(sample) <= 1.0:
+        raise ValueError(
+            f"verify(sample=...) takes True, False or a fraction in (0, 1]; got {sample!r}"
+        )
+    return float(sample)
+
+
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+call_through(__name__, verify)

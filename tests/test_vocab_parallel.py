@@ -216,3 +216,52 @@ def test_vocab_sharded_logits_on_a_dp_x_tp_mesh(pool4: RankPool, name: str) -> N
 )
 def test_vocab_sharded_logits_inside_loss_parallel(pool2: RankPool, name: str) -> None:
     _check(name, 15, pool2.run(_on_rank, name, 15, (2,), True), tp=2)
+
+
+def _embedding_on_rank(vocab: int) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dtensor_patches import patched
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    weight, ids = _embedding_inputs(vocab)
+    out: dict[str, Any] = {}
+    with patched():
+        w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+        e = F.embedding(distribute_tensor(ids, mesh, [Replicate()]), w)
+        # The same lookup used three ways before anything reduced it.
+        flat = e.view(-1, 4)
+        out["view"] = flat.full_tensor().detach()
+        out["sum"] = e.sum(-1).full_tensor().detach()
+        out["index"] = e[1].full_tensor().detach()
+        (flat * flat.detach()).sum().backward()
+        out["grad"] = w.grad.full_tensor()
+    return out
+
+
+def _embedding_inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(vocab)
+    return torch.randn(vocab, 4, generator=g, dtype=torch.float64), torch.randint(
+        0, vocab, (2, 3), generator=g
+    )
+
+
+@pytest.mark.parametrize("vocab", [10, 9], ids=["even", "uneven"])
+def test_vocab_parallel_embedding_result_viewed_reduced_and_reused(
+    pool2: RankPool, vocab: int
+) -> None:
+    weight, ids = _embedding_inputs(vocab)
+    w = weight.clone().requires_grad_()
+    e = F.embedding(ids, w)
+    flat = e.view(-1, 4)
+    (flat * flat.detach()).sum().backward()
+    expected = {
+        "view": flat.detach(),
+        "sum": e.sum(-1).detach(),
+        "index": e[1].detach(),
+        "grad": w.grad,
+    }
+    for got in pool2.run(_embedding_on_rank, vocab):
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-9, msg=key)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtensor_patches._torch.access import attribute, internal, moved
+from dtensor_patches.errors import PatchError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -312,6 +313,45 @@ def local_shape_and_offset(
     compute = local_shape_and_offset_function()
     shape, offset = compute(tuple(global_shape), mesh, tuple(placements))
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+# Where torch keeps the placement of a vocab-parallel lookup's pending, masked sum: 2.9 beside
+# the embedding strategy, 2.10 public-named, 2.11+ private-named in placement_types.
+_MASK_PARTIAL_SITES = (
+    ("torch.distributed.tensor.placement_types", "_MaskPartial"),
+    ("torch.distributed.tensor.placement_types", "MaskPartial"),
+    ("torch.distributed.tensor._ops._embedding_ops", "_MaskPartial"),
+)
+
+
+@functools.cache
+def mask_partial_class() -> type:
+    """torch's ``_MaskPartial`` placement class (``MaskPartial`` on 2.10).
+
+    Raises:
+        PatchError: none of the known locations has it.
+    """
+    for module_name, name in _MASK_PARTIAL_SITES:
+        try:
+            found = internal(module_name, name)
+        except PatchError:
+            continue
+        if isinstance(found, type):
+            return found
+    raise moved(
+        "torch.distributed.tensor.placement_types._MaskPartial",
+        "looked in " + ", ".join(f"{m}.{n}" for m, n in _MASK_PARTIAL_SITES),
+    )
+
+
+def is_mask_partial(placement: Placement) -> bool:
+    """Whether ``placement`` is torch's ``_MaskPartial`` (a ``Partial`` whose pending sum
+    needs a mask saved with the lookup's shape).
+
+    Raises:
+        PatchError: the class moved.
+    """
+    return isinstance(placement, mask_partial_class())
 
 
 def check_internals() -> None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "current_autograd_node",
+    "current_dispatch_mode",
     "dispatch_mode_class",
     "finish_inplace_view",
     "foreach_mul_",
@@ -34,6 +35,16 @@ def dispatch_mode_class() -> type:
         PatchError: the class moved.
     """
     return internal("torch.utils._python_dispatch", "TorchDispatchMode")
+
+
+def current_dispatch_mode() -> Any:
+    """The dispatch mode on top of this thread's stack, or ``None``
+    (``torch.utils._python_dispatch._get_current_dispatch_mode``).
+
+    Raises:
+        PatchError: the function moved.
+    """
+    return internal("torch.utils._python_dispatch", "_get_current_dispatch_mode")()
 
 
 def current_autograd_node() -> Any:

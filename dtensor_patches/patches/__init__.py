@@ -77,6 +77,7 @@ from dtensor_patches.patches.views import (
 )
 from dtensor_patches.patches.vocab import (
     gather_over_shards,
+    mask_partial_reduced_first,
     nll_loss_over_classes,
     softmax_over_shards,
     topk_over_shards,
@@ -153,6 +154,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         gather_over_shards.PATCH,
         nll_loss_over_classes.PATCH,
         topk_over_shards.PATCH,
+        mask_partial_reduced_first.PATCH,
         partial_item.PATCH,
         partial_norms.PATCH,
         loss_parallel_backward.PATCH,
