@@ -28,6 +28,18 @@ import torch
 import torch.distributed as dist
 
 
+def _shifted_exp(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shard's logits minus the global max, their exponentials, and the global sum of
+    those: two ``[batch, seq]`` all-reduces."""
+    peak = local.amax(-1)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    shifted = local - peak.unsqueeze(-1)
+    exp = shifted.exp()
+    total = exp.sum(-1)
+    dist.all_reduce(total)
+    return shifted, exp, total
+
+
 class _HandLogprobs(torch.autograd.Function):
     """Hand-written vocab-parallel token log-probs on this rank's vocab shard: three
     ``[batch, seq]`` all-reduces forward (max, sum of exponentials, picked logit), none
@@ -35,12 +47,7 @@ class _HandLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, ids: torch.Tensor, offset: int) -> torch.Tensor:
-        peak = local.amax(-1)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        shifted = local - peak.unsqueeze(-1)
-        exp = shifted.exp()
-        total = exp.sum(-1)
-        dist.all_reduce(total)
+        shifted, exp, total = _shifted_exp(local)
         local_ids = ids - offset
         inside = (local_ids >= 0) & (local_ids < local.shape[-1])
         picked = shifted.gather(-1, local_ids.clamp(0, local.shape[-1] - 1).unsqueeze(-1))
@@ -67,12 +74,7 @@ class _HandEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor) -> torch.Tensor:
-        peak = local.amax(-1)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        shifted = local - peak.unsqueeze(-1)
-        exp = shifted.exp()
-        total = exp.sum(-1)
-        dist.all_reduce(total)
+        shifted, exp, total = _shifted_exp(local)
         p = exp / total.unsqueeze(-1)
         weighted = (p * shifted).sum(-1)
         dist.all_reduce(weighted)

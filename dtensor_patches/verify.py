@@ -26,14 +26,10 @@ from __future__ import annotations
 import functools
 import os
 import re
-import threading
 import traceback
 import weakref
-import zlib
-from collections import Counter
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +58,13 @@ from dtensor_patches.dispatch.miss_rules import FALLBACK_DECISION, watch_decisio
 from dtensor_patches.dispatch.shards import in_layout_of
 from dtensor_patches.dispatch.tracked_views import region_in, view_record
 from dtensor_patches.errors import LostWriteError
+from dtensor_patches.verify_report import Mismatch, VerifyError, VerifyReport
+from dtensor_patches.verify_sampling import (
+    PROCESS_SIGNATURES,
+    Signatures,
+    fraction_of,
+    signature,
+)
 
 __all__ = [
     "PROCESS_SIGNATURES",
@@ -77,111 +80,6 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>.*)')
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """One DTensor call whose result differs from the same op on full plain tensors.
-
-    Attributes:
-        op: the op and overload, e.g. ``"aten._local_scalar_dense.default"``.
-        phase: ``"forward"`` or ``"backward"``.
-        path: how DTensor ran it: ``"native"``, ``"patched: <patch>"`` or ``"fallback"``.
-        problem: what differs (shape, dtype, values, spec), with the numbers.
-        max_diff: the largest absolute difference of the values, when they are comparable.
-        inputs: per DTensor input, ``"shape placements"``; plain arguments as ``repr``.
-        outputs: the same for the outputs.
-        source: the user's line that made the call, ``"file:line in fn: code"`` (for a
-            backward op: the forward line that recorded it, when known).
-    """
-
-    op: str
-    phase: str
-    path: str
-    problem: str
-    max_diff: float | None
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    source: str
-
-    def __str__(self) -> str:
-        diff = "" if self.max_diff is None else f" (largest difference {self.max_diff:.3g})"
-        return (
-            f"{self.op} ({self.phase}, {self.path}): {self.problem}{diff}\n"
-            f"  at {self.source}\n"
-            f"  inputs:  {'; '.join(self.inputs)}\n"
-            f"  outputs: {'; '.join(self.outputs)}"
-        )
-
-
-class VerifyError(AssertionError):
-    """A DTensor call gave a different result than the single-device computation."""
-
-    def __init__(self, mismatch: Mismatch) -> None:
-        super().__init__(f"DTensor result differs from the single-device result:\n{mismatch}")
-        self.mismatch = mismatch
-
-
-@dataclass
-class VerifyReport:
-    """What :func:`verify` saw: every mismatch, and a count of the DTensor calls by path.
-
-    Attributes:
-        mismatches: in the order found.
-        calls: DTensor calls seen, by op name.
-        native: calls DTensor ran with torch's own strategy or handler.
-        patched: calls a patch ran (a strategy, handler or miss rule of that patch), by patch.
-        fallback: calls the call fallback (issue 10) ran, by op.
-        unchecked: calls not compared, by reason (``"random: aten.native_dropout.default"``).
-        signatures: distinct call signatures checked in this block (sampling modes; in the
-            full mode every call is checked and this stays 0).
-        skipped: calls let through unchecked because their signature was seen before, in this
-            block or an earlier one sharing the same :class:`Signatures`, or was not sampled.
-            They are not counted in ``calls``.
-    """
-
-    mismatches: list[Mismatch] = field(default_factory=list)
-    calls: Counter[str] = field(default_factory=Counter)
-    native: int = 0
-    patched: Counter[str] = field(default_factory=Counter)
-    fallback: Counter[str] = field(default_factory=Counter)
-    unchecked: Counter[str] = field(default_factory=Counter)
-    signatures: int = 0
-    skipped: int = 0
-
-    @property
-    def clean(self) -> bool:
-        """No mismatch was found."""
-        return not self.mismatches
-
-    @property
-    def checked(self) -> int:
-        return sum(self.calls.values()) - sum(self.unchecked.values())
-
-    def __str__(self) -> str:
-        total = sum(self.calls.values())
-        lines = [
-            f"dtensor_patches.verify: {total} DTensor calls ({len(self.calls)} ops), "
-            f"{self.checked} checked, {len(self.mismatches)} mismatch(es)",
-            f"  native {self.native}, patched {sum(self.patched.values())}"
-            + (
-                f" ({', '.join(f'{k} {v}' for k, v in self.patched.most_common())})"
-                if self.patched
-                else ""
-            )
-            + f", fallback {sum(self.fallback.values())}",
-        ]
-        if self.signatures or self.skipped:
-            lines.append(
-                f"  sampled: {self.signatures} signature(s) checked, "
-                f"{self.skipped} call(s) with a seen or unsampled signature let through"
-            )
-        if self.unchecked:
-            lines.append(
-                "  unchecked: " + ", ".join(f"{k} x{v}" for k, v in self.unchecked.most_common())
-            )
-        lines += [str(m) for m in self.mismatches]
-        return "\n".join(lines)
 
 
 def _describe(x: Any) -> str:
@@ -283,92 +181,6 @@ def _spec_problem(x: Any) -> str | None:
     if local != expected:
         return f"global shape {list(x.shape)} {tuple(x.placements)} implies local {list(expected)}, local is {list(local)}"
     return None
-
-
-def _key(value: Any, dtensor: type) -> Hashable:
-    """The part of a call's signature that one argument contributes: a DTensor's class, mesh,
-    placements, shape, stride and dtype; a plain tensor's shape and dtype; containers
-    element-wise; ints, bools, strings, dtypes and devices by value; floats by kind (no
-    sharding decision depends on a float's value, and a learning rate that changes every step
-    would make every step new)."""
-    if isinstance(value, dtensor):
-        return (
-            type(value).__name__,
-            value.device_mesh,
-            tuple(value.placements),
-            tuple(value.shape),
-            value.stride(),
-            value.dtype,
-        )
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, *(_key(v, dtensor) for v in value))
-    if isinstance(value, float):
-        return "float"
-    if (
-        isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout))
-        or value is None
-    ):
-        return value
-    if isinstance(value, torch.memory_format):
-        return str(value)
-    return type(value).__name__
-
-
-def signature(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """The signature :func:`verify` samples by: the op overload and the key of every argument
-    (see :func:`_key`); equal on every rank for the same SPMD call."""
-    dtensor = dtensor_class()
-    return (
-        func,
-        tuple(_key(a, dtensor) for a in args),
-        tuple((k, _key(v, dtensor)) for k, v in kwargs.items()),
-    )
-
-
-def _sampled(key: Hashable, fraction: float) -> bool:
-    """Whether a new signature is checked at ``fraction``: decided from a hash of its text,
-    so every rank decides alike (Python's ``hash`` of a string differs between processes)."""
-    if fraction >= 1.0:
-        return True
-    return zlib.crc32(repr(key).encode()) / 2**32 < fraction
-
-
-class Signatures:
-    """The call signatures that :func:`verify` sampling modes have decided on, shared by the
-    blocks given the same instance (by default one per process), so that a training loop's
-    first step checks its calls and later steps let them through.
-
-    ``len()`` is the number of signatures decided; :meth:`clear` forgets them.
-    """
-
-    def __init__(self) -> None:
-        self._decided: dict[Hashable, bool] = {}
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._decided)
-
-    def clear(self) -> None:
-        """Forget every signature: the next block checks all of them again."""
-        with self._lock:
-            self._decided.clear()
-
-    def decide(self, key: Hashable, fraction: float) -> bool:
-        """``True`` when a call with signature ``key`` is to be checked now: the first time it
-        is seen, if sampled at ``fraction``; ``False`` afterwards."""
-        if key in self._decided:
-            return False
-        with self._lock:
-            if key in self._decided:
-                return False
-            self._decided[key] = _sampled(key, fraction)
-            return self._decided[key]
-
-
-PROCESS_SIGNATURES = Signatures()
-"""The :class:`Signatures` that ``verify(sample=...)`` uses unless given its own."""
 
 
 class _Checker:
@@ -736,7 +548,7 @@ def verify(
             loss.backward()
         print(report)
     """
-    fraction = _fraction(sample)
+    fraction = fraction_of(sample)
     if trace_backward is None:
         trace_backward = fraction is None
     checker = _Checker(atol, rtol, raise_on_mismatch, fraction, signatures)
@@ -746,19 +558,6 @@ def verify(
     )
     with anomaly, mode:
         yield checker.report
-
-
-def _fraction(sample: bool | float) -> float | None:
-    """``sample`` as the fraction of new signatures to check, or ``None`` for every call."""
-    if sample is False:
-        return None
-    if sample is True:
-        return 1.0
-    if not isinstance(sample, (int, float)) or not 0.0 < float(sample) <= 1.0:
-        raise ValueError(
-            f"verify(sample=...) takes True, False or a fraction in (0, 1]; got {sample!r}"
-        )
-    return float(sample)
 
 
 @contextmanager

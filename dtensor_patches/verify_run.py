@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtensor_patches.verify import Mismatch, VerifyReport, _Checker, _mode_class
+from dtensor_patches.verify_sampling import fraction_of
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +95,13 @@ class RunVerification:
     """
 
     def __init__(self, setting: RunSetting) -> None:
-        from dtensor_patches.verify import _fraction
-
         self.setting = setting
         self.steps_left = setting.steps
         self._checker = _Checker(
             setting.atol,
             setting.rtol,
             raise_on_mismatch=False,
-            fraction=_fraction(setting.sample),
+            fraction=fraction_of(setting.sample),
             on_mismatch=_log_mismatch,
         )
         self.report: VerifyReport = self._checker.report

@@ -14,7 +14,14 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["contiguous_stride", "gather_full", "in_layout_of", "partial_shares", "shard_of"]
+__all__ = [
+    "contiguous_stride",
+    "gather_full",
+    "in_layout_of",
+    "partial_shares",
+    "shard_of",
+    "sharded_result",
+]
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -27,6 +34,20 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(running)
         running *= max(int(size), 1)
     return tuple(reversed(stride))
+
+
+def sharded_result(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
+) -> Any:
+    """``local`` as this rank's block of a contiguous DTensor of global ``shape`` placed
+    ``placements`` (``DTensor.from_local`` without checks or communication): how a handler or
+    miss rule returns a result it computed on the shards."""
+    from torch.distributed.tensor import DTensor
+
+    size = torch.Size(shape)
+    return DTensor.from_local(
+        local, mesh, tuple(placements), run_check=False, shape=size, stride=contiguous_stride(size)
+    )
 
 
 def partial_shares(

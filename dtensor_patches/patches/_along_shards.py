@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_patches._torch.dtensors import local_shape_and_offset, local_tensor
-from dtensor_patches.dispatch.shards import contiguous_stride
+from dtensor_patches.dispatch.shards import sharded_result
 from dtensor_patches.strategies import is_shard
 
 __all__ = [
@@ -84,16 +84,8 @@ def sharded_along(spec: Any, dim: Any) -> bool:
 
 def _like(local: torch.Tensor, template: Any) -> Any:
     """``local`` as this rank's block of a contiguous DTensor laid out like ``template``."""
-    from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(
-        local,
-        template.device_mesh,
-        template.placements,
-        run_check=False,
-        shape=template.shape,
-        stride=contiguous_stride(template.shape),
-    )
+    return sharded_result(local, template.device_mesh, template.placements, template.shape)
 
 
 def softmax_on_shards(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

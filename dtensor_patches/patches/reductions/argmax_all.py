@@ -32,10 +32,21 @@ from packaging.specifiers import SpecifierSet
 from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches._torch.tables import custom_op_handlers
-from dtensor_patches.dispatch.shards import contiguous_stride
+from dtensor_patches.dispatch.shards import sharded_result
 from dtensor_patches.patch import Handler, Patch
 from dtensor_patches.reproducers import Case, randn
 from dtensor_patches.strategies import is_shard
+
+
+def _reduced_shape(shape: Any, dim: int, keepdim: bool) -> list[int]:
+    """The shape of a reduction over ``dim`` (a 0-dim input stays 0-dim)."""
+    out = list(shape)
+    if out:
+        if keepdim:
+            out[dim] = 1
+        else:
+            out.pop(dim)
+    return out
 
 
 def _pick(values: torch.Tensor, indices: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -57,7 +68,7 @@ def _by_winners(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
     all-gathered over the mesh dims that shard ``dim`` (two tensors of the result's size per
     rank), and the first best of them; other shards kept."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     from dtensor_patches._torch.dtensors import local_shape_and_offset
 
@@ -100,26 +111,13 @@ def _by_winners(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
         else Shard(p.dim if keepdim or p.dim < dim else p.dim - 1)
         for i, p in enumerate(x.placements)
     ]
-    shape = list(x.shape)
-    if keepdim:
-        shape[dim] = 1
-    else:
-        shape.pop(dim)
-    size_out = torch.Size(shape)
-    return DTensor.from_local(
-        indices,
-        mesh,
-        placements,
-        run_check=False,
-        shape=size_out,
-        stride=contiguous_stride(size_out),
-    )
+    return sharded_result(indices, mesh, placements, _reduced_shape(x.shape, dim, keepdim))
 
 
 def _along_dim(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
     """``argmax(x, dim)``: per-rank winners where ``dim`` is sharded (:func:`_by_winners`),
     else the local op with other shards kept; a ``Partial`` input is reduced first."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     ndim = max(x.ndim, 1)
     dim %= ndim
@@ -137,20 +135,8 @@ def _along_dim(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
         Shard(p.dim if keepdim or p.dim < dim else p.dim - 1) if is_shard(p) else p
         for p in placements
     ]
-    shape = list(x.shape)
-    if shape:
-        if keepdim:
-            shape[dim] = 1
-        else:
-            shape.pop(dim)
-    size = torch.Size(shape)
-    return DTensor.from_local(
-        local,
-        x.device_mesh,
-        out_placements,
-        run_check=False,
-        shape=size,
-        stride=contiguous_stride(size),
+    return sharded_result(
+        local, x.device_mesh, out_placements, _reduced_shape(x.shape, dim, keepdim)
     )
 
 

@@ -5,10 +5,14 @@ shard is 1x4, the local ``squeeze`` drops dim 0, and the result has the wrong sh
 (``full_tensor()`` gives 8 elements in one dim). Any ``squeeze``/``squeeze(dim)`` of a tensor
 whose sharded dim has one element per rank does this (per-sample losses, ``[B, 1]`` heads).
 
-Fix: a custom handler that squeezes only the dims whose *global* size is 1: this rank's local
-tensor is squeezed along exactly those dims and the output keeps the input's placements
-(shard dims renumbered). No communication; a size-1 dim that is itself sharded (one rank holds
-it, the others hold nothing) is gathered first. Measured fixed upstream in torch 2.12 (which
+Fix: a miss rule on the three ``squeeze`` overloads, taken only when a dim the call may drop
+is sharded (the only way a local size can differ from the global one): it squeezes only the
+dims whose *global* size is 1, this rank's local tensor along exactly those dims, and the
+output keeps the input's placements (shard dims renumbered). No communication; a size-1 dim
+that is itself sharded (one rank holds it, the others hold nothing) is gathered first. Every
+other squeeze (``values.squeeze(-1)`` of a ``[B, S, 1]`` head sharded on ``B`` or ``S``) keeps
+torch's cached path: as a custom handler this patch cost every squeeze 5x on 2.11 (9 us to
+52 us per call, ``benchmarks/call_overhead.py``). Measured fixed upstream in torch 2.12 (which
 rewrites ``squeeze`` to ``squeeze.dims`` with the globally singleton dims).
 """
 
@@ -20,23 +24,22 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch.dtensors import local_tensor
-from dtensor_patches.dispatch.shards import contiguous_stride
-from dtensor_patches.patch import Handler, Patch
+from dtensor_patches.dispatch.miss_rules import DivertedCall, NativeDecision
+from dtensor_patches.dispatch.shards import sharded_result
+from dtensor_patches.patch import MissRule, Patch
 from dtensor_patches.reproducers import Case, randn
 from dtensor_patches.strategies import is_shard, normalize_dims
 
+OPS = ("aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims")
+
 
 def _squeeze(op_call: Any, args: Any, kwargs: Any) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     x = args[0]
     ndim = x.ndim
-    if len(args) < 2:
-        requested: Any = range(ndim)
-    elif isinstance(args[1], (tuple, list)) and not args[1]:
-        requested = ()  # squeeze(x, ()) squeezes nothing (unlike an empty reduction dim list)
-    else:
-        requested = normalize_dims(args[1], ndim)
+    # squeeze(x, ()) squeezes nothing (unlike an empty reduction dim list).
+    requested = _requested(args, ndim)
     drop = [d for d in requested if ndim > 0 and x.shape[d] == 1]
     placements = list(x.placements)
     if any(is_shard(p) and p.dim in drop for p in placements):
@@ -48,22 +51,31 @@ def _squeeze(op_call: Any, args: Any, kwargs: Any) -> Any:
         Shard(p.dim - sum(1 for d in drop if d < p.dim)) if is_shard(p) else p for p in placements
     ]
     shape = torch.Size(s for d, s in enumerate(x.shape) if d not in drop)
-    return DTensor.from_local(
-        out_local,
-        x.device_mesh,
-        out_placements,
-        run_check=False,
-        shape=shape,
-        stride=contiguous_stride(shape),
-    )
+    return sharded_result(out_local, x.device_mesh, out_placements, shape)
 
 
-def _registrations() -> list[Handler]:
-    return [
-        Handler("aten.squeeze.default", _squeeze),
-        Handler("aten.squeeze.dim", _squeeze),
-        Handler("aten.squeeze.dims", _squeeze),
-    ]
+def _requested(args: Any, ndim: int) -> tuple[int, ...]:
+    if len(args) < 2:
+        return tuple(range(ndim))
+    if isinstance(args[1], (tuple, list)) and not args[1]:
+        return ()
+    return tuple(normalize_dims(args[1], ndim))
+
+
+def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
+    args = schema.args_schema
+    x = args[0] if args else None
+    placements = getattr(x, "placements", None)
+    if placements is None or len(x.shape) == 0:
+        return None
+    requested = _requested(args, len(x.shape))
+    if any(p.is_shard() and getattr(p, "dim", None) in requested for p in placements):
+        return _squeeze
+    return None
+
+
+def _registrations() -> list[MissRule]:
+    return [MissRule(op, _rule) for op in OPS]
 
 
 # The tripwire's cases: ``squeeze`` of tensors with locally and globally size-1 dims vs single-device results.
@@ -78,7 +90,7 @@ CASES = [
 PATCH = Patch(
     name="squeeze",
     summary="squeeze only globally size-1 dims (torch 2.9 to 2.11)",
-    ops=("aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims"),
+    ops=OPS,
     gate=SpecifierSet(">=2.9,<2.12"),
     registrations=_registrations,
     cases=CASES,

@@ -27,7 +27,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches.dispatch.miss_rules import DivertedCall, NativeDecision
-from dtensor_patches.dispatch.shards import contiguous_stride
+from dtensor_patches.dispatch.shards import sharded_result
 from dtensor_patches.patch import MissRule, Patch
 from dtensor_patches.patches._along_shards import (
     mesh_dims_sharding,
@@ -66,7 +66,7 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
 
 
 def _gather(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import Partial
 
     x, dim, index = args[0], args[1], args[2]
     dim %= x.ndim
@@ -81,14 +81,7 @@ def _gather(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         picked = local.gather(dim, ids.clamp(0, size - 1)).masked_fill(~inside, 0)
     over = mesh_dims_sharding(x.placements, dim)
     placements = [Partial("sum") if i in over else q for i, q in enumerate(index.placements)]
-    return DTensor.from_local(
-        picked,
-        mesh,
-        placements,
-        run_check=False,
-        shape=index.shape,
-        stride=contiguous_stride(index.shape),
-    )
+    return sharded_result(picked, mesh, placements, index.shape)
 
 
 def _registrations() -> list[MissRule]:

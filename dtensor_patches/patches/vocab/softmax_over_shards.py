@@ -34,7 +34,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches.dispatch.miss_rules import DivertedCall, NativeDecision
-from dtensor_patches.dispatch.shards import contiguous_stride
+from dtensor_patches.dispatch.shards import sharded_result
 from dtensor_patches.patch import MissRule, Patch
 from dtensor_patches.patches._along_shards import (
     LOW_PRECISION,
@@ -60,7 +60,7 @@ def _reduced_dims(dims: Any, ndim: int) -> tuple[int, ...]:
 
 
 def _logsumexp(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     x = args[0]
     dims = _reduced_dims(args[1] if len(args) > 1 else kwargs["dim"], x.ndim)
@@ -95,14 +95,7 @@ def _logsumexp(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     if not keepdim:
         shape = [n for d, n in enumerate(x.shape) if d not in dims]
     size = torch.Size(shape)
-    return DTensor.from_local(
-        out.to(local.dtype),
-        mesh,
-        placements,
-        run_check=False,
-        shape=size,
-        stride=contiguous_stride(size),
-    )
+    return sharded_result(out.to(local.dtype), mesh, placements, size)
 
 
 def _logsumexp_rule(schema: Any, native: NativeDecision) -> DivertedCall | None:

@@ -25,7 +25,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches.dispatch.miss_rules import DivertedCall, NativeDecision
-from dtensor_patches.dispatch.shards import contiguous_stride
+from dtensor_patches.dispatch.shards import sharded_result
 from dtensor_patches.patch import MissRule, Patch
 from dtensor_patches.patches._along_shards import (
     all_gather_along,
@@ -70,7 +70,7 @@ def _best(
 
 
 def _topk(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Replicate
 
     x = args[0]
     k, dim, largest = _options(args, kwargs)
@@ -100,12 +100,7 @@ def _topk(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     placements = [Replicate() if i in over else p for i, p in enumerate(x.placements)]
     shape = list(x.shape)
     shape[dim] = k
-    size_out = torch.Size(shape)
-    stride = contiguous_stride(size_out)
-    return tuple(
-        DTensor.from_local(t, mesh, placements, run_check=False, shape=size_out, stride=stride)
-        for t in (values, indices)
-    )
+    return tuple(sharded_result(t, mesh, placements, shape) for t in (values, indices))
 
 
 def _registrations() -> list[MissRule]:
