@@ -231,7 +231,7 @@ def _embedding_on_rank(vocab: int) -> dict[str, Any]:
         w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
         e = F.embedding(distribute_tensor(ids, mesh, [Replicate()]), w)
         # The same lookup used three ways before anything reduced it.
-        flat = e.view(-1, 4)
+        flat = e.view(-1, e.shape[-1])
         out["view"] = flat.full_tensor().detach()
         out["sum"] = e.sum(-1).full_tensor().detach()
         out["index"] = e[1].full_tensor().detach()
@@ -241,8 +241,12 @@ def _embedding_on_rank(vocab: int) -> dict[str, Any]:
 
 
 def _embedding_inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # A different embedding width per vocabulary: torch 2.9 caches the sharding decision of
+    # embedding_dense_backward without its num_weights argument, so two embeddings whose
+    # gradients have one shape share a decision and the second gets the first's weight shape
+    # (docs/known-gaps.md); this test is about the lookup's placement, not that.
     g = torch.Generator().manual_seed(vocab)
-    return torch.randn(vocab, 4, generator=g, dtype=torch.float64), torch.randint(
+    return torch.randn(vocab, 4 + vocab % 2, generator=g, dtype=torch.float64), torch.randint(
         0, vocab, (2, 3), generator=g
     )
 
@@ -254,7 +258,7 @@ def test_vocab_parallel_embedding_result_viewed_reduced_and_reused(
     weight, ids = _embedding_inputs(vocab)
     w = weight.clone().requires_grad_()
     e = F.embedding(ids, w)
-    flat = e.view(-1, 4)
+    flat = e.view(-1, e.shape[-1])
     (flat * flat.detach()).sum().backward()
     expected = {
         "view": flat.detach(),
