@@ -7,7 +7,8 @@ whose sharded dim has one element per rank does this (per-sample losses, ``[B, 1
 
 Fix: a miss rule on the three ``squeeze`` overloads, taken only when a dim the call may drop
 is sharded (the only way a local size can differ from the global one): it squeezes only the
-dims whose *global* size is 1, this rank's local tensor along exactly those dims, and the
+dims whose *global* size is 1 (also where torch has no strategy: ``squeeze.dims`` on 2.11),
+this rank's local tensor along exactly those dims, and the
 output keeps the input's placements (shard dims renumbered). No communication; a size-1 dim
 that is itself sharded (one rank holds it, the others hold nothing) is gathered first. Every
 other squeeze (``values.squeeze(-1)`` of a ``[B, S, 1]`` head sharded on ``B`` or ``S``) keeps
@@ -71,7 +72,9 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     requested = _requested(args, len(x.shape))
     if any(p.is_shard() and getattr(p, "dim", None) in requested for p in placements):
         return _squeeze
-    return None
+    # 2.11 has no strategy for ``squeeze.dims`` at all: such calls are taken too (a decision
+    # torch can make is cached, so this asks torch once per schema).
+    return _squeeze if native.error() is not None else None
 
 
 def _registrations() -> list[MissRule]:
