@@ -86,6 +86,9 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+    # gloo can abort a rank (SIGABRT, "terminate called without an active exception") when
+    # one rank tears its process group down while another is still finishing: wait for all.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -64,20 +64,12 @@ def _nbytes(value: Any) -> int:
 def received_bytes(name: str, args: tuple[Any, ...]) -> int:
     """Bytes the collective ``name`` (an op name such as ``"all_gather_into_tensor"`` or
     ``"allreduce_"``) with arguments ``args`` delivers to the calling rank."""
-    base = name.rstrip("_").replace("_into_tensor", "").replace("_coalesced", "")
     if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
         return _nbytes(args[0]) * int(args[1])  # (input, group_size, group_name)
     if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
         return _nbytes(args[0]) // max(int(args[2]), 1)  # (input, op, group_size, group)
-    if base in (
-        "allgather",
-        "_allgather_base",
-        "reduce_scatter",
-        "_reduce_scatter_base",
-        "alltoall",
-        "alltoall_base",
-    ):
-        return _nbytes(args[0])  # c10d: the output tensor(s) come first
+    # functional all_reduce / broadcast give back their input's size; c10d's allgather,
+    # reduce_scatter and alltoall take the output tensor(s) first.
     return _nbytes(args[0])
 
 

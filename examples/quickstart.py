@@ -55,6 +55,9 @@ def main() -> int:
     same = torch.equal(doc.full_tensor(), doc_of(positions, doc_starts))
     say(f"patched: placements {doc.placements}, equal to plain tensors: {same}")
     say(doc.full_tensor().tolist())
+    # gloo can abort a rank (SIGABRT, "terminate called without an active exception") when
+    # one rank tears its process group down while another is still finishing: wait for all.
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if same else 1
 
