@@ -28,7 +28,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["RankError", "RankPool", "layout_agrees", "run_on_ranks", "world_mesh"]
+__all__ = [
+    "RankError",
+    "RankPool",
+    "layout_agrees",
+    "run_on_ranks",
+    "spec_disagreement",
+    "world_mesh",
+]
 
 
 class RankError(RuntimeError):
@@ -110,7 +117,10 @@ def _rank_main(
         except BaseException:  # noqa: BLE001 - the traceback is the result; rank stays alive
             conn.send(("error", traceback.format_exc()))
         else:
-            conn.send(("ok", result))
+            try:  # pickling happens before anything is written: a refusal leaves the pipe clean
+                conn.send(("ok", result))
+            except Exception:  # noqa: BLE001 - e.g. a tensor that requires grad; rank stays alive
+                conn.send(("error", "the result cannot be sent back:\n" + traceback.format_exc()))
     dist.destroy_process_group()
     # Skip the interpreter's teardown of torch (about a second per rank): nothing is left to
     # flush but the standard streams.
@@ -302,6 +312,33 @@ def layout_agrees(dtensor: Any) -> bool:
     by_global = sorted(dims, key=lambda d: (-dtensor.stride(d), d))
     by_local = sorted(dims, key=lambda d: (-local.stride(d), d))
     return by_global == by_local
+
+
+def spec_disagreement(dtensor: Any) -> str | None:
+    """``None`` when every rank of the default process group holds ``dtensor`` with the same
+    global shape, stride and placements, and this rank's local tensor has the shape DTensor's
+    layout gives this rank (uneven and empty last shards included); else what differs.
+
+    Collective over the default group: call it on every rank, for a DTensor on a mesh over
+    all of them.
+    """
+    import torch.distributed as dist
+
+    from dtensor_patches._torch.dtensors import local_shape_and_offset
+
+    mine = (tuple(dtensor.shape), tuple(dtensor.stride()), tuple(map(str, dtensor.placements)))
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    if len(set(seen)) > 1:
+        return f"the ranks disagree on the global (shape, stride, placements): {seen}"
+    expected, _ = local_shape_and_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    local = tuple(dtensor.to_local().shape)
+    if local != expected:
+        return (
+            f"rank {dist.get_rank()}: local shape {local}, but global shape "
+            f"{tuple(dtensor.shape)} placed {dtensor.placements} gives it {expected}"
+        )
+    return None
 
 
 @functools.cache

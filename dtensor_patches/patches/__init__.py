@@ -12,7 +12,9 @@ together. The families:
 - ``losses``: losses reduced over shards, ``loss_parallel()``;
 - ``vocab``: ops along a sharded class (vocabulary) dim: softmax, gather of ids, top-k;
 - ``nn``: attention, convolutions, matrix-vector products;
-- ``parallel_styles``: tensor-parallel plans.
+- ``parallel_styles``: tensor-parallel plans;
+- ``edges``: where DTensors meet plain tensors (full state dicts loaded into DTensor
+  parameters) and local tensors become DTensors (``from_local`` of uneven shards).
 
 The order matters where two patches own entries of one op: the later one is on top.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dtensor_patches.patch import Patch
+from dtensor_patches.patches.edges import from_local_uneven, full_state_dict
 from dtensor_patches.patches.indexing import (
     data_dependent,
     getitem,
@@ -164,5 +167,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         conv_layouts.PATCH,
         inplace_view_shape.PATCH,
         t_of_vector.PATCH,
+        full_state_dict.PATCH,
+        from_local_uneven.PATCH,
     )
 )

@@ -1,0 +1,205 @@
+"""``DTensor.from_local`` on shards of different lengths: the ranks disagree on the global shape.
+
+Without ``shape=``, ``from_local`` assumes every rank's local tensor has the same size and
+multiplies it by the mesh size. RL code re-wraps per-rank data all the time (token log-probs
+of a rank's own sequences, an EMA kept on local shards of a 5-row parameter, metrics), and the
+lengths differ: with local lengths 3 and 2 on two ranks, rank 0 says the global length is 6
+and rank 1 says 4. Values come out silently wrong, or gloo aborts the process (SIGABRT) in the
+next all-gather, whose sizes no longer match. Every release 2.9 to 2.15 (torch's own source
+has a ``TODO: support uneven sharding when global shape/stride not passed``).
+
+Fix: ``DTensor.from_local`` is wrapped. When the caller passes neither ``shape``/``stride`` nor
+``run_check=False`` and a placement shards over a mesh dim longer than 1, the ranks exchange
+their local shapes (one all-gather of ``ndim + 2`` integers per sharded or replicated mesh dim
+longer than 1, on the mesh's own groups) and the DTensor gets the true global shape and
+stride. Local lengths that are not DTensor's layout (``torch.chunk``'s: ``ceil(n / k)`` per
+rank, the last ones shorter or empty) cannot be one DTensor; shapes that differ in another dim
+are a mistake; either raises ``ValueError`` on every rank (the check runs over the whole mesh
+before anyone raises) and builds nothing.
+
+Left as torch has them: calls with ``shape=`` and ``stride=`` (torch's own way to give the
+global shape; what DCP, pipelining and autograd use), calls with ``run_check=False`` (the
+caller vouches that shards are even: torch's parallel styles and ``local_map`` pass it on
+every layer, where a size exchange per call would cost a collective per layer per step),
+``_StridedShard`` placements, and meshes whose sharded dims all have size 1.
+
+Costs: nothing for the calls left as torch has them but one Python frame; one small
+all-gather per mesh dim for the calls it acts on (on a GPU mesh also a device-to-host copy
+of those integers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from packaging.specifiers import SpecifierSet
+
+from dtensor_patches.patch import Patch, WrappedFunction
+
+OPS = ("_c10d_functional.all_gather_into_tensor.default",)  # the collective that mis-sizes
+
+_ERR_OTHER_DIM = 1
+_ERR_LAYOUT = 2
+_ERR_REPLICATE = 3
+
+
+def _chunk_sizes(total: int, parts: int) -> list[int]:
+    """Lengths DTensor gives ``parts`` shards of a dim of length ``total`` (``torch.chunk``)."""
+    step = -(-total // parts) if total else 0
+    return [max(0, min(step, total - k * step)) for k in range(parts)]
+
+
+def _contiguous_stride(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``shape`` whose dims are laid out in ``order`` (outermost
+    first), as the local tensor is."""
+    stride = [0] * len(shape)
+    step = 1
+    for dim in reversed(order):
+        stride[dim] = step
+        step *= max(int(shape[dim]), 1)
+    return tuple(stride)
+
+
+def global_shape_and_stride(
+    local: torch.Tensor, mesh: Any, placements: Sequence[Any]
+) -> tuple[torch.Size, tuple[int, ...]]:
+    """The global shape and stride of the DTensor whose shard on each rank of ``mesh`` is that
+    rank's ``local`` (``placements``: one per mesh dim, ``Shard`` / ``Replicate`` /
+    ``Partial``), exchanged over the mesh's groups. Collective: every rank of ``mesh`` calls it.
+
+    Raises:
+        ValueError: on every rank alike: the local lengths along a sharded dim are not
+            DTensor's layout of their sum, local shapes differ in a dim that is not sharded
+            there, or replicas differ in shape.
+    """
+    import torch.distributed as dist
+
+    ndim = local.ndim
+    device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else torch.device("cpu")
+    shape = [int(s) for s in local.shape]
+    error = 0
+    detail = ""
+    for mesh_dim in reversed(range(mesh.ndim)):
+        parts = mesh.size(mesh_dim)
+        if parts == 1:
+            continue
+        mine = torch.tensor(
+            [error, mesh.get_local_rank(mesh_dim), *shape], dtype=torch.int64, device=device
+        )
+        rows = [torch.empty_like(mine) for _ in range(parts)]
+        dist.all_gather(rows, mine, group=mesh.get_group(mesh_dim))
+        table = sorted((r.tolist() for r in rows), key=lambda r: r[1])
+        error = max(r[0] for r in table)
+        sizes = [r[2:] for r in table]
+        placement = placements[mesh_dim]
+        if placement.is_shard():
+            dim = placement.dim % ndim if ndim else 0
+            lengths = [s[dim] for s in sizes]
+            others = {tuple(s[:dim] + s[dim + 1 :]) for s in sizes}
+            total = sum(lengths)
+            if len(others) > 1:
+                error = max(error, _ERR_OTHER_DIM)
+                detail = f"local shapes {sizes} differ outside dim {dim} on mesh dim {mesh_dim}"
+            elif lengths != _chunk_sizes(total, parts):
+                error = max(error, _ERR_LAYOUT)
+                detail = (
+                    f"local lengths {lengths} along dim {dim} (mesh dim {mesh_dim}) are not "
+                    f"DTensor's layout of {total} over {parts} ranks ({_chunk_sizes(total, parts)})"
+                )
+            shape[dim] = total
+        elif len({tuple(s) for s in sizes}) > 1:
+            error = max(error, _ERR_REPLICATE)
+            detail = f"replicas on mesh dim {mesh_dim} have different shapes {sizes}"
+    if error:
+        raise ValueError(
+            "DTensor.from_local: the ranks' local tensors cannot form one DTensor with "
+            f"placements {tuple(placements)}: "
+            + (detail or "another rank's shapes do not fit (see its error)")
+            + ". Give each rank torch.chunk's part of the global tensor (or pad), or pass "
+            "shape= and stride= yourself"
+        )
+    order = sorted(range(ndim), key=lambda d: (-local.stride(d), d))
+    return torch.Size(shape), _contiguous_stride(shape, order)
+
+
+def _acts_on(mesh: Any, placements: Sequence[Any] | None) -> bool:
+    from torch.distributed.tensor import Shard
+
+    if placements is None:
+        return False
+    return any(type(p) is Shard and mesh.size(i) > 1 for i, p in enumerate(placements)) and all(
+        type(p) is Shard or not p.is_shard() for p in placements
+    )
+
+
+def _sizing(from_local: Callable[..., Any]) -> Callable[..., Any]:
+    def from_local_sized(
+        local_tensor: torch.Tensor,
+        device_mesh: Any = None,
+        placements: Sequence[Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """torch's ``DTensor.from_local``; without ``shape``/``stride``/``run_check=False`` on
+        a sharded mesh, with the global shape the ranks' local shapes give."""
+        if (
+            ("run_check" not in kwargs or kwargs["run_check"])
+            and kwargs.get("shape") is None
+            and kwargs.get("stride") is None
+        ):
+            # device_mesh=None means torch's current mesh: left as torch has it.
+            mesh = device_mesh
+            if (
+                mesh is not None
+                and isinstance(local_tensor, torch.Tensor)
+                and _acts_on(mesh, placements)
+            ):
+                shape, stride = global_shape_and_stride(local_tensor, mesh, list(placements))
+                kwargs["shape"], kwargs["stride"] = shape, stride
+        return from_local(local_tensor, device_mesh, placements, **kwargs)
+
+    return staticmethod(from_local_sized)  # type: ignore[return-value]
+
+
+def _registrations() -> list[WrappedFunction]:
+    return [WrappedFunction("from_local", _sizing)]
+
+
+def reproduce(mesh: Any) -> str | None:
+    """Rank ``r`` holds torch.chunk's part ``r`` of a ``[2k + 1, 3]`` tensor (lengths differ
+    between ranks) and wraps it with ``DTensor.from_local(local, mesh, [Shard(0)])``: the global
+    shape, every rank's agreement on it, and the full value against the plain tensor."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    parts = mesh.size()
+    if parts == 1:
+        return None
+    full = torch.arange((2 * parts + 1) * 3, dtype=torch.float32).reshape(2 * parts + 1, 3)
+    local = torch.chunk(full, parts)[mesh.get_local_rank()].clone()
+    dt = DTensor.from_local(local, mesh, [Shard(0)])
+    shapes: list[Any] = [None] * parts
+    dist.all_gather_object(shapes, tuple(dt.shape), group=mesh.get_group())
+    if len(set(shapes)) > 1 or shapes[0] != tuple(full.shape):
+        return (
+            f"from_local of local lengths {[len(c) for c in torch.chunk(full, parts)]}: the ranks "
+            f"say the global shape is {shapes}, not {tuple(full.shape)}"
+        )
+    got = dt.full_tensor()
+    return None if torch.equal(got, full) else "from_local of uneven shards: full_tensor() differs"
+
+
+PATCH = Patch(
+    name="from_local_uneven",
+    summary="DTensor.from_local without shape= gets the true global shape of uneven shards",
+    ops=OPS,
+    gate=SpecifierSet(">=2.9"),
+    registrations=_registrations,
+    reproduce=reproduce,
+    overrides_existing=True,
+    communication=(
+        "one all-gather of ndim + 2 integers per mesh dim longer than 1, only for from_local "
+        "calls without shape=/stride= or run_check=False on a sharded mesh"
+    ),
+)
