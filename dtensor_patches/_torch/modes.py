@@ -105,3 +105,14 @@ def foreach_norm() -> Any:
         PatchError: the function moved.
     """
     return attribute(torch, "_foreach_norm", "torch._foreach_norm")
+
+
+def subclass_torch_function_disabled() -> Any:
+    """A context manager in which tensor subclasses' ``__torch_function__`` is not called
+    (``torch._C.DisableTorchFunctionSubclass``): for a subclass's own ``__torch_function__`` to
+    run the call underneath it.
+
+    Raises:
+        PatchError: the class moved.
+    """
+    return internal("torch._C", "DisableTorchFunctionSubclass")()

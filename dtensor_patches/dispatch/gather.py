@@ -36,7 +36,6 @@ from dtensor_patches._torch.schemas import (
     written_positions,
 )
 from dtensor_patches._torch.tables import implicit_replication_on
-from dtensor_patches._torch.versions import subclass_dispatch_honoured
 from dtensor_patches.dispatch import fallback_report, tracked_views
 from dtensor_patches.dispatch.shards import (
     contiguous_stride,
@@ -44,7 +43,7 @@ from dtensor_patches.dispatch.shards import (
     partial_shares,
     shard_of,
 )
-from dtensor_patches.errors import PatchError, first_line
+from dtensor_patches.errors import PatchError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -258,32 +257,6 @@ def _write_back(
         target.copy_(copy)
 
 
-def _check_view_writable(op: Any, placements: str, error: BaseException | None) -> None:
-    """Refuse a view op on a release where a tracked view cannot see the writes into it.
-
-    The fallback's view is a copy made from gathered inputs; its writes reach the tensor it was
-    made from only through its tracked view's own ``__torch_dispatch__``, which torch 2.10 and
-    2.11 never call (:func:`~dtensor_patches._torch.versions.subclass_dispatch_honoured`). A
-    result there would turn torch's clear refusal (``x.unbind(0)`` of a ``Shard(0)`` ``x``)
-    into writes silently lost (issue 23, item 4), so the call is refused with the way out,
-    after the op ran on the full tensors (a view the single device refuses raises its error).
-
-    Raises:
-        PatchError: on torch 2.10 and 2.11.
-    """
-    if subclass_dispatch_honoured():
-        return
-    raise PatchError(
-        f"{op} on DTensors {placements}: torch refused this view"
-        + (f" ({first_line(error)})" if error is not None else "")
-        + f", and on torch {torch.__version__} a view the fallback made could not carry writes "
-        "into the tensor it was made from (DTensor subclasses dispatch in C++ on 2.10 and "
-        "2.11), so it is refused. Make the copy explicit: "
-        "x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim) first, or "
-        "x.full_tensor()"
-    ) from error
-
-
 _ZEROS_HOOKED = "dtensor_patches.plain_zero_grads"
 """The key a hooked autograd node carries in its ``metadata`` (hooked once)."""
 
@@ -376,8 +349,7 @@ def run_gathered(
 
     Raises:
         PatchError: DTensor arguments on different meshes; an in-place op that changes the
-            shape of its target; a view op on torch 2.10 or 2.11, where the view's writes
-            could not reach its base (:func:`_check_view_writable`).
+            shape of its target.
         MixedTensorError: a plain write target whose meaning is ambiguous (more than one
             element, outside ``implicit_replication()``); nothing is written.
         Exception: whatever the op raises on the full plain tensors; nothing is written then.
@@ -419,8 +391,6 @@ def run_gathered(
                 op, args, kwargs, full_args, full_kwargs, targets
             )
         out = op(*full_args, **full_kwargs)
-        if is_view_op(op) and args and isinstance(args[0], dtensor):
-            _check_view_writable(op, placements, error)
         if is_random(op):
             out = tree_map(lambda v: _broadcast_from_origin(v, mesh), out)
             targets = [(t, _broadcast_from_origin(c, mesh)) for t, c in targets]

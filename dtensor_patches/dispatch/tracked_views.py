@@ -24,8 +24,11 @@ for view ops it runs. Only tracked views pay for the tracking; cached calls (ord
 that need no redistribution) pay nothing.
 
 torch 2.10 and 2.11 dispatch DTensor subclasses through the C++ fast path without calling
-their ``__torch_dispatch__`` (measured; 2.12 honours it again, 2.9 is Python), so a tracked
-view cannot see its writes there.
+their ``__torch_dispatch__`` (measured; 2.12 honours it again, 2.9 is Python). There a tracked
+view also defines ``__torch_function__``, which torch calls before dispatch for any Python call
+with a tracked view among its arguments: the call runs under :func:`tracking_mode_class`'s mode,
+which sends each aten op with a tracked view to the tracked path. A write torch makes inside its
+own C++ code (``x[1:3] = v``: ``__setitem__`` slices and copies in C++) reaches no Python there.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from dtensor_patches._torch.dtensors import (
     set_local,
     shares_storage,
 )
+from dtensor_patches._torch.modes import subclass_torch_function_disabled
 from dtensor_patches._torch.schemas import (
     argument_names,
     is_view_op,
@@ -57,6 +61,7 @@ from dtensor_patches._torch.schemas import (
     writes_self,
     written_positions,
 )
+from dtensor_patches._torch.versions import subclass_dispatch_honoured
 from dtensor_patches.dispatch.miss_rules import any_op_key, ensure_hook
 from dtensor_patches.dispatch.shards import gather_full, shard_of
 from dtensor_patches.errors import LostWriteError
@@ -94,7 +99,42 @@ def tracked_view_class() -> type:
         ) -> Any:
             return _dispatch_tracked(func, args, kwargs or {})
 
+    if not subclass_dispatch_honoured():
+        # torch 2.10/2.11 run DTensor subclasses through the C++ fast path without calling
+        # __torch_dispatch__. __torch_function__ runs before that dispatch, and only for calls
+        # that have a tracked view among their arguments: such a call runs under a dispatch
+        # mode that sends every aten op with a tracked view to the tracked path. Every other
+        # call (no tracked view) pays nothing.
+        mode_class = tracking_mode_class()
+
+        def torch_function(
+            cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            with mode_class(), subclass_torch_function_disabled():
+                return func(*args, **(kwargs or {}))
+
+        TrackedView.__torch_function__ = classmethod(torch_function)  # type: ignore[assignment]
     return TrackedView
+
+
+@functools.cache
+def tracking_mode_class() -> type:
+    """A dispatch mode that sends each aten op with a tracked view among its arguments to the
+    tracked path and lets every other op through (torch 2.10/2.11, see
+    :func:`tracked_view_class`)."""
+    from dtensor_patches._torch.modes import dispatch_mode_class
+
+    class TrackingMode(dispatch_mode_class()):  # type: ignore[misc]
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            flat, _ = tree_flatten((args, kwargs))
+            if any(is_tracked(a) for a in flat):
+                return _dispatch_tracked(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    return TrackingMode
 
 
 def is_tracked(value: object) -> bool:

@@ -16,10 +16,12 @@ redistributed input and returned as a ``TrackedView``, which records how it was 
 views take a Python path, and a write into one is carried into the tensor it was made from,
 all or nothing. Cached calls (ordinary slices that need no redistribution) pay nothing.
 
-Gate: torch 2.10 and 2.11 dispatch DTensor subclasses through the C++ fast path without
-calling their ``__torch_dispatch__`` (measured; 2.12 honours it again, 2.9 is Python), so a
-tracked view cannot see its writes there and the patch is gated out; those releases lose such
-writes as stock torch does (README, known gaps).
+Every release 2.9 to 2.15. Torch 2.10 and 2.11 dispatch DTensor subclasses through the C++
+fast path without calling their ``__torch_dispatch__`` (measured; 2.12 honours it again, 2.9 is
+Python); there a tracked view's ``__torch_function__`` (called before that dispatch, only for
+calls with a tracked view among their arguments) takes the call to the tracked path. What
+reaches no Python there stays lost as on stock torch: ``x[1:3] = v``, whose write torch makes
+inside its C++ indexing (known gaps; ``x[1:3].copy_(v)`` lands).
 """
 
 from __future__ import annotations
@@ -70,8 +72,7 @@ PATCH = Patch(
     name="view_writes",
     summary="writes through views that DTensor redistributed reach the tensor they came from",
     ops=("aten.slice.Tensor", "aten.select.int"),
-    gate=SpecifierSet(">=2.9,!=2.10.*,!=2.11.*"),
-    known_unfixable=SpecifierSet(">=2.10,<2.12"),
+    gate=SpecifierSet(">=2.9"),
     registrations=lambda: [TrackViews()],
     cases=CASES,
     replicates=True,
