@@ -58,6 +58,7 @@ from dtensor_patches.dispatch.miss_rules import FALLBACK_DECISION, watch_decisio
 from dtensor_patches.dispatch.shards import in_layout_of
 from dtensor_patches.dispatch.tracked_views import region_in, view_record
 from dtensor_patches.errors import LostWriteError
+from dtensor_patches.verify_ranks import PLAIN_DIFFERS, SPEC_DIFFERS, rank_disagreement
 from dtensor_patches.verify_report import Mismatch, VerifyError, VerifyReport
 from dtensor_patches.verify_sampling import (
     PROCESS_SIGNATURES,
@@ -325,6 +326,7 @@ class _Checker:
         if random:
             self.report.unchecked[f"random: {name}"] += 1
         views: dict[int, tuple[Any, Any, torch.Tensor, torch.Tensor]] = {}
+        across = self._across_ranks(name, phase, args, kwargs, flat_in, inputs)
         if not random:
             for x in flat_in:
                 if id(x) not in views:
@@ -353,7 +355,7 @@ class _Checker:
             return out
         where = f"patched: {patch}" if patch else path
         outputs = tuple(_describe(x) for x in tree_leaves(out))
-        problem = self._check(func, name, (args, kwargs), out, reference, flat_in, views)
+        problem = across or self._check(func, name, (args, kwargs), out, reference, flat_in, views)
         if problem is not None:
             text, diff = problem
             mismatch = Mismatch(name, phase, where, text, diff, inputs, outputs, _source(phase))
@@ -363,6 +365,31 @@ class _Checker:
             if self.raise_on_mismatch:
                 raise VerifyError(mismatch)
         return out
+
+    def _across_ranks(
+        self,
+        name: str,
+        phase: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        flat_in: list[Any],
+        inputs: tuple[str, ...],
+    ) -> tuple[str, None] | None:
+        """The ranks' agreement on the inputs (:mod:`dtensor_patches.verify_ranks`): raises
+        ``VerifyError`` before anything is gathered when they disagree on a DTensor's global
+        spec; the problem text when a plain tensor beside DTensors differs between them."""
+        dtensor = dtensor_class()
+        plain = [
+            x
+            for x in tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor) and not isinstance(x, dtensor)
+        ]
+        flags, text = rank_disagreement(flat_in, plain)
+        if flags & SPEC_DIFFERS:
+            mismatch = Mismatch(name, phase, "not run", text, None, inputs, (), _source(phase))
+            self.report.mismatches.append(mismatch)
+            raise VerifyError(mismatch)
+        return (text, None) if flags & PLAIN_DIFFERS else None
 
     def _check(
         self,

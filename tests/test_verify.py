@@ -252,3 +252,47 @@ def _collects_every_mismatch() -> list[str]:
 def test_raise_on_mismatch_false_collects_all(pool2: RankPool) -> None:
     ops = pool2.run(_collects_every_mismatch)[0]
     assert ops == ["aten._local_scalar_dense.default"] * 2
+
+
+def _rank_disagreements() -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    import dtensor_patches as dp
+    from dtensor_patches import registry
+    from dtensor_patches.verify_report import VerifyError
+
+    mesh = _mesh()
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    # Uneven local lengths wrapped without shape= (stock from_local): the ranks disagree on the
+    # global shape. verify() must say so before any collective over it can abort gloo.
+    with registry.patched(exclude=["from_local_uneven"]):
+        local = torch.ones(3 if rank == 0 else 2, 4)
+        with dp.verify() as report:
+            x = DTensor.from_local(local, mesh, [Shard(0)])
+            try:
+                x.sum(0)
+                out["spec_error"] = None
+            except VerifyError as exc:
+                out["spec_error"] = str(exc)
+        # A plain tensor beside a DTensor, taken as Replicate(), that is this rank's own data.
+        d = distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
+        with dp.verify(raise_on_mismatch=False) as report, implicit_replication():
+            d + torch.full((4, 3), float(rank))
+        out["plain"] = [m.problem for m in report.mismatches]
+        same = torch.ones(4, 3)
+        with dp.verify(raise_on_mismatch=False) as clean, implicit_replication():
+            d + same
+        out["clean"] = [m.problem for m in clean.mismatches]
+    return out
+
+
+def test_verify_flags_ranks_disagreeing_on_a_shape_or_a_replicated_plain_tensor(
+    pool2: RankPool,
+) -> None:
+    for got in pool2.run(_rank_disagreements):
+        assert got["spec_error"] is not None and "disagree on the global spec" in got["spec_error"]
+        assert any("differs between the ranks" in p for p in got["plain"]), got["plain"]
+        assert got["clean"] == []
