@@ -9,8 +9,9 @@ or mis-sizes. ``verify()`` cannot gather such an input to check the op, so it ra
 A plain tensor that differs between ranks is reported as a mismatch (a silent wrong: DTensor
 took it as the same value everywhere).
 
-Cost, per checked call: one all-gather of ``2 + 2 x inputs`` integers per mesh dim longer than
-1 (the first DTensor input's mesh), and a checksum of each plain tensor argument.
+Cost, per checked call: one all-gather of 32 integers per mesh dim longer than 1 (the first
+DTensor input's mesh; two for calls of more than 30 tensors), and a checksum of each plain
+tensor argument.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from dtensor_patches.mesh_rows import gather_rows
 
 __all__ = ["PLAIN_DIFFERS", "SPEC_DIFFERS", "rank_disagreement"]
 
@@ -44,39 +47,20 @@ def rank_disagreement(dtensors: Sequence[Any], plain: Sequence[torch.Tensor]) ->
     DTensor input's (shape, stride, placements, dtype) and on each plain tensor's values; else
     the bits :data:`SPEC_DIFFERS` and :data:`PLAIN_DIFFERS` (checked only where the specs
     agree) with a description. Every rank of the mesh gets the same ``flags``. Collective."""
-    import torch.distributed as dist
-
     if not dtensors:
         return 0, ""
     mesh = dtensors[0].device_mesh
-    device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device(mesh.device_type)
     specs = [_spec_code(x) for x in dtensors]
     values = [_value_code(t) for t in plain]
     flag = 0
     detail = ""
     for mesh_dim in reversed(range(mesh.ndim)):
-        parts = mesh.size(mesh_dim)
-        if parts == 1:
+        if mesh.size(mesh_dim) == 1:
             continue
-        mine = torch.tensor(
-            [flag, len(specs) + len(values), *specs, *values], dtype=torch.int64, device=device
-        )
-        # Every rank sends the same length when the call's structure agrees; pad to the
-        # longest so that a structural difference is reported instead of mis-sizing gloo.
-        length = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
-        lengths = [torch.empty_like(length) for _ in range(parts)]
-        group = mesh.get_group(mesh_dim)
-        dist.all_gather(lengths, length, group=group)
-        longest = max(int(n.item()) for n in lengths)
-        padded = torch.full((longest,), -1, dtype=torch.int64, device=device)
-        padded[: mine.numel()] = mine
-        rows = [torch.empty_like(padded) for _ in range(parts)]
-        dist.all_gather(rows, padded, group=group)
-        table = [r.tolist() for r in rows]
+        table = gather_rows(mesh, mesh_dim, [flag, len(specs), *specs, *values])
         for row in table:
             flag |= row[0]
-        bodies = [row[1 : 2 + len(specs)] for row in table]
-        if any(body != bodies[0] for body in bodies):
+        if any(row[1 : 2 + len(specs)] != table[0][1 : 2 + len(specs)] for row in table):
             flag |= SPEC_DIFFERS
             detail = detail or (
                 f"the ranks along mesh dim {mesh_dim} disagree on the global spec of the "

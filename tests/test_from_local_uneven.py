@@ -165,3 +165,34 @@ def test_shards_that_are_not_dtensors_layout_are_refused_on_every_rank(pool2: Ra
         assert "shape=" in got["error"]
     for got in pool2.run(_refused, (3, 2), True):
         assert got["shape"] == (5, 2)
+
+
+def _mismatched(kind: str) -> str | None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dtensor_patches import patched
+
+    mesh = init_device_mesh("cpu", (2,))
+    rank = dist.get_rank()
+    local = {
+        "ndim": torch.ones(3, 2) if rank == 0 else torch.ones(3),
+        "other_dim": torch.ones(3, 2) if rank == 0 else torch.ones(2, 3),
+    }[kind]
+    with patched():
+        try:
+            DTensor.from_local(local, mesh, [Shard(0)])
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"), [("ndim", "dims"), ("other_dim", "differ outside dim 0")]
+)
+def test_local_tensors_that_cannot_form_one_dtensor_raise_on_every_rank(
+    pool2: RankPool, kind: str, words: str
+) -> None:
+    for error in pool2.run(_mismatched, kind):
+        assert error is not None and words in error and "cannot form one DTensor" in error

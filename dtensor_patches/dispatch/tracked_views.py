@@ -113,7 +113,7 @@ def tracked_view_class() -> type:
             with mode_class(), subclass_torch_function_disabled():
                 return func(*args, **(kwargs or {}))
 
-        TrackedView.__torch_function__ = classmethod(torch_function)  # type: ignore[assignment]
+        TrackedView.__torch_function__ = classmethod(torch_function)
     return TrackedView
 
 

@@ -10,8 +10,8 @@ has a ``TODO: support uneven sharding when global shape/stride not passed``).
 
 Fix: ``DTensor.from_local`` is wrapped. When the caller passes neither ``shape``/``stride`` nor
 ``run_check=False`` and a placement shards over a mesh dim longer than 1, the ranks exchange
-their local shapes (one all-gather of ``ndim + 2`` integers per sharded or replicated mesh dim
-longer than 1, on the mesh's own groups) and the DTensor gets the true global shape and
+their local shapes (one all-gather of 32 integers per mesh dim longer than 1, on the mesh's
+own groups) and the DTensor gets the true global shape and
 stride. Local lengths that are not DTensor's layout (``torch.chunk``'s: ``ceil(n / k)`` per
 rank, the last ones shorter or empty) cannot be one DTensor; shapes that differ in another dim
 are a mistake; either raises ``ValueError`` on every rank (the check runs over the whole mesh
@@ -36,13 +36,16 @@ from typing import Any
 import torch
 from packaging.specifiers import SpecifierSet
 
+from dtensor_patches.mesh_rows import gather_rows
 from dtensor_patches.patch import Patch, WrappedFunction
 
 OPS = ("_c10d_functional.all_gather_into_tensor.default",)  # the collective that mis-sizes
 
+# Error bits, OR-ed across the mesh so that every rank raises alike.
 _ERR_OTHER_DIM = 1
 _ERR_LAYOUT = 2
-_ERR_REPLICATE = 3
+_ERR_REPLICATE = 4
+_ERR_NDIM = 8
 
 
 def _chunk_sizes(total: int, parts: int) -> list[int]:
@@ -74,10 +77,7 @@ def global_shape_and_stride(
             DTensor's layout of their sum, local shapes differ in a dim that is not sharded
             there, or replicas differ in shape.
     """
-    import torch.distributed as dist
-
     ndim = local.ndim
-    device = torch.device(mesh.device_type) if mesh.device_type != "cpu" else torch.device("cpu")
     shape = [int(s) for s in local.shape]
     error = 0
     detail = ""
@@ -85,14 +85,14 @@ def global_shape_and_stride(
         parts = mesh.size(mesh_dim)
         if parts == 1:
             continue
-        mine = torch.tensor(
-            [error, mesh.get_local_rank(mesh_dim), *shape], dtype=torch.int64, device=device
-        )
-        rows = [torch.empty_like(mine) for _ in range(parts)]
-        dist.all_gather(rows, mine, group=mesh.get_group(mesh_dim))
-        table = sorted((r.tolist() for r in rows), key=lambda r: r[1])
-        error = max(r[0] for r in table)
-        sizes = [r[2:] for r in table]
+        table = gather_rows(mesh, mesh_dim, [error, ndim, *shape])
+        for row in table:
+            error |= row[0]
+        if len({row[1] for row in table}) > 1:
+            error |= _ERR_NDIM
+            detail = detail or f"local tensors of {sorted({r[1] for r in table})} dims"
+            continue
+        sizes = [row[2:] for row in table]
         placement = placements[mesh_dim]
         if placement.is_shard():
             dim = placement.dim % ndim if ndim else 0
@@ -100,17 +100,17 @@ def global_shape_and_stride(
             others = {tuple(s[:dim] + s[dim + 1 :]) for s in sizes}
             total = sum(lengths)
             if len(others) > 1:
-                error = max(error, _ERR_OTHER_DIM)
+                error |= _ERR_OTHER_DIM
                 detail = f"local shapes {sizes} differ outside dim {dim} on mesh dim {mesh_dim}"
             elif lengths != _chunk_sizes(total, parts):
-                error = max(error, _ERR_LAYOUT)
+                error |= _ERR_LAYOUT
                 detail = (
                     f"local lengths {lengths} along dim {dim} (mesh dim {mesh_dim}) are not "
                     f"DTensor's layout of {total} over {parts} ranks ({_chunk_sizes(total, parts)})"
                 )
             shape[dim] = total
         elif len({tuple(s) for s in sizes}) > 1:
-            error = max(error, _ERR_REPLICATE)
+            error |= _ERR_REPLICATE
             detail = f"replicas on mesh dim {mesh_dim} have different shapes {sizes}"
     if error:
         raise ValueError(
@@ -199,7 +199,7 @@ PATCH = Patch(
     reproduce=reproduce,
     overrides_existing=True,
     communication=(
-        "one all-gather of ndim + 2 integers per mesh dim longer than 1, only for from_local "
+        "one all-gather of 32 integers per mesh dim longer than 1, only for from_local "
         "calls without shape=/stride= or run_check=False on a sharded mesh"
     ),
 )
