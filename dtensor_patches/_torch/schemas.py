@@ -249,3 +249,37 @@ def dtensor_decomposes(op_name: str) -> bool:
 def decomposes(op: OpOverload) -> bool:
     """:func:`has_decomposition` for an ``OpOverload``."""
     return has_decomposition(str(op))
+
+
+def _holds_tensors(type_: Any) -> bool:
+    """Whether a schema argument type is ``Tensor`` or a list/optional of tensors."""
+    return "Tensor" in str(type_)
+
+
+@functools.cache
+def ops_with_tensors_only_in_lists_or_out() -> tuple[str, ...]:
+    """The ``aten`` and ``c10d`` overloads whose every tensor argument sits in a list
+    (``Tensor[]``), is keyword-only (``out=``) or optional (``Tensor?``, as ``allreduce_``'s
+    ``sparse_indices``): no positional ``Tensor`` argument that must be given. Where such
+    an op has no DTensor strategy, torch 2.10's C++ dispatch finds no mesh for it (``found no
+    DeviceMesh from dtensor args``). Read from the registered schemas once (about 10 ms).
+
+    Raises:
+        PatchError: ``torch._C._jit_get_all_schemas`` moved.
+    """
+    schemas: Callable[[], list[Any]] = attribute(
+        torch._C, "_jit_get_all_schemas", "torch._C._jit_get_all_schemas"
+    )
+    found = set()
+    for schema in schemas():
+        namespace, _, packet = schema.name.partition("::")
+        if namespace not in ("aten", "c10d"):
+            continue
+        kinds = [
+            a.kwarg_only or a.type.kind() in ("ListType", "OptionalType")
+            for a in schema.arguments
+            if _holds_tensors(a.type)
+        ]
+        if kinds and all(kinds):
+            found.add(f"{namespace}.{packet}.{schema.overload_name or 'default'}")
+    return tuple(sorted(found))

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dtensor_patches.patch import Patch
-from dtensor_patches.patches.edges import from_local_uneven, full_state_dict
+from dtensor_patches.patches.edges import from_local_uneven, full_state_dict, mesh_in_lists
 from dtensor_patches.patches.indexing import (
     data_dependent,
     getitem,
@@ -169,5 +169,6 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         t_of_vector.PATCH,
         full_state_dict.PATCH,
         from_local_uneven.PATCH,
+        mesh_in_lists.PATCH,
     )
 )
