@@ -204,3 +204,57 @@ def test_weight_sync_and_full_copies_as_known_gaps_document_them(
             torch.testing.assert_close(got["synced"][key], initial[key], rtol=0, atol=0)
             if key != "scale":  # a buffer, not a parameter
                 torch.testing.assert_close(got["copied"][key], ckpt[key], rtol=0, atol=0)
+
+
+def _resume_optimizer(kind: str) -> dict[str, Any]:
+    """Two AdamW steps on the plain model; the sharded model resumes after the first from the
+    plain model's full state dict and the plain optimizer's state dict."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtensor_patches import patched
+
+    shape = (2, 2) if kind == "fsdp_tp" else (2,)
+    names = ("dp", "tp") if kind == "fsdp_tp" else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    plain = _MLP()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.1)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        y = model(_x())
+        y = y.full_tensor() if hasattr(y, "full_tensor") else y
+        (y**2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(plain, plain_opt)
+    saved_model = copy.deepcopy(plain.state_dict())
+    saved_opt = copy.deepcopy(plain_opt.state_dict())
+    step(plain, plain_opt)
+    with patched():
+        model = _sharded(kind, mesh)
+        model.load_state_dict(saved_model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        opt.load_state_dict(saved_opt)
+        kinds = sorted({type(v).__name__ for s in opt.state.values() for v in s.values()})
+        step(model, opt)
+        got = _full_values(model)
+    expected = {k: v.detach() for k, v in plain.state_dict().items()}
+    return {
+        "kinds": kinds,
+        "max_diff": max((got[k] - expected[k]).abs().max().item() for k in expected),
+    }
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+def test_optimizer_resumes_from_full_plain_state(pool2: RankPool, kind: str) -> None:
+    for got in pool2.run(_resume_optimizer, kind):
+        assert "DTensor" in got["kinds"], got["kinds"]  # exp_avg / exp_avg_sq laid out like p
+        assert got["max_diff"] < 1e-6, got
+
+
+def test_optimizer_resumes_from_full_plain_state_fsdp2_tp(pool4: RankPool) -> None:
+    for got in pool4.run(_resume_optimizer, "fsdp_tp"):
+        assert got["max_diff"] < 1e-6, got

@@ -53,6 +53,7 @@ FUNCTION_SITES: dict[str, tuple[str, ...]] = {
     "_disable_custom_loss_ops": ("torch.distributed.tensor.parallel.loss",),
     "_try_replicate_spec_for_scalar_tensor": ("torch.distributed.tensor._dispatch:OpDispatcher",),
     "load_state_dict": ("torch.nn.modules.module:Module",),
+    "_process_value_according_to_param_policy": ("torch.optim.optimizer:Optimizer",),
     "from_local": ("torch.distributed.tensor._api:DTensor",),
 }
 """Function name -> the owners (``module`` or ``module:Class``) where torch looks it up."""

@@ -1,5 +1,5 @@
 """``Module.load_state_dict`` of a full, plain state dict into a model whose parameters are
-DTensors (FSDP2, TP, both): refused on every release.
+DTensors (FSDP2, TP, both): refused on every release. The same for an optimizer's state.
 
 Loading a full checkpoint into a sharded model is what every RL stack does at start-up (HF
 weights into an FSDP2 actor, the reference policy, the critic's initial weights). Each rank
@@ -16,6 +16,15 @@ be the same on every rank, as a full checkpoint is). Then torch's ``load_state_d
 always (``strict``, ``assign``, missing and unexpected keys, hooks). A shape that differs
 raises torch's ``RuntimeError`` text (``size mismatch for <key>``) before any tensor is
 written, and a target placed ``Partial`` raises ``ValueError``: nothing is half-loaded.
+
+Optimizers: ``Optimizer.load_state_dict`` of a full (or this rank's own) plain optimizer state
+keeps the plain tensors (``exp_avg`` of a DTensor parameter), and the next ``step`` fails with
+``got mixed torch.Tensor and DTensor``. torch's per-value policy
+(``Optimizer._process_value_according_to_param_policy``, which casts each loaded value like its
+parameter) is wrapped: a value of the parameter's global shape becomes this rank's part of it,
+laid out like the parameter; one of its local shape is this rank's shard. ``step`` is left as
+torch keeps it. torch builds the whole new state before it sets any, so a failure changes
+nothing.
 
 Cost: a look at the module's parameters and buffers per ``load_state_dict`` call given plain
 tensors; where some are DTensors, one walk of ``state_dict(keep_vars=True)``; the copies
@@ -109,8 +118,52 @@ def _loading_shards(load: Callable[..., Any]) -> Callable[..., Any]:
     return load_state_dict
 
 
+def optimizer_value_for(param: Any, value: Any) -> Any:
+    """An optimizer state value (already cast by torch's policy) for a DTensor ``param``: a
+    plain tensor of ``param``'s global shape becomes a DTensor laid out like ``param`` holding
+    this rank's part of it (a full optimizer checkpoint); one of ``param``'s local shape (and
+    not its global one) is this rank's own shard (a per-rank checkpoint) and is wrapped as it
+    is. Anything else is returned unchanged, as torch would keep it.
+
+    Raises:
+        ValueError: ``param`` is placed ``Partial``.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, DTensor):
+        return value
+    if any(p.is_partial() for p in param.placements):
+        raise ValueError(
+            f"optimizer load_state_dict: a parameter placed {tuple(param.placements)}; a plain "
+            "state value cannot be split into pending partial sums"
+        )
+    if value.shape == param.shape:
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    if value.shape == param.to_local().shape:
+        return DTensor.from_local(
+            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+    return value
+
+
+def _optimizer_values(process: Callable[..., Any]) -> Callable[..., Any]:
+    def process_value(
+        param: Any, value: Any, param_id: int, param_groups: Any, key: Any = None
+    ) -> Any:
+        """torch's policy for one loaded optimizer state value, then its DTensor layout."""
+        out = process(param, value, param_id, param_groups, key)
+        return out if key == "step" else optimizer_value_for(param, out)
+
+    return staticmethod(process_value)  # type: ignore[return-value]
+
+
 def _registrations() -> list[WrappedFunction]:
-    return [WrappedFunction("load_state_dict", _loading_shards)]
+    return [
+        WrappedFunction("load_state_dict", _loading_shards),
+        WrappedFunction("_process_value_according_to_param_policy", _optimizer_values),
+    ]
 
 
 def reproduce(mesh: Any) -> str | None:
