@@ -258,3 +258,47 @@ def test_optimizer_resumes_from_full_plain_state(pool2: RankPool, kind: str) -> 
 def test_optimizer_resumes_from_full_plain_state_fsdp2_tp(pool4: RankPool) -> None:
     for got in pool4.run(_resume_optimizer, "fsdp_tp"):
         assert got["max_diff"] < 1e-6, got
+
+
+def _plain_copies() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtensor_patches import patched
+    from dtensor_patches._torch.versions import dispatches_in_cpp
+
+    mesh = init_device_mesh("cpu", (2,))
+    ckpt = _checkpoint()
+    out: dict[str, Any] = {"cpp": dispatches_in_cpp()}
+    with patched():
+        model = _sharded("tp", mesh)
+        before = model.up.weight.full_tensor().detach().clone()
+        try:
+            with torch.no_grad():
+                model.up.weight.copy_(torch.ones(7, 4))  # wrong shape: refused, nothing written
+        except RuntimeError as exc:
+            out["bad_shape"] = str(exc).splitlines()[0]
+        out["unchanged"] = torch.equal(model.up.weight.full_tensor(), before)
+        try:
+            with torch.no_grad():
+                model.up.weight.copy_(ckpt["up.weight"])
+                model.down.bias.data.copy_(ckpt["down.bias"])
+            sync = torch.empty(8, 4)
+            sync.copy_(model.up.weight.detach())
+            out["copied"] = model.up.weight.full_tensor().detach()
+            out["bias"] = model.down.bias.full_tensor().detach()
+            out["sync"] = sync
+        except RuntimeError as exc:
+            out["error"] = str(exc).splitlines()[0]
+    return out
+
+
+def test_plain_copies_into_and_out_of_dtensors(pool2: RankPool) -> None:
+    ckpt = _checkpoint()
+    for got in pool2.run(_plain_copies):
+        assert got["unchanged"] and got.get("bad_shape")
+        if got["cpp"]:  # 2.10+: refused in C++ before any Python (docs/known-gaps.md)
+            assert "mixed torch.Tensor and DTensor" in got["error"]
+            continue
+        torch.testing.assert_close(got["copied"], ckpt["up.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(got["bias"], ckpt["down.bias"], rtol=0, atol=0)
+        torch.testing.assert_close(got["sync"], ckpt["up.weight"], rtol=0, atol=0)

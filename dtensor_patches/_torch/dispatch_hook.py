@@ -36,6 +36,7 @@ from dtensor_patches._torch.tables import (
     sharding_propagator,
 )
 from dtensor_patches._torch.versions import dispatches_in_cpp
+from dtensor_patches.errors import MixedTensorError
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -164,6 +165,9 @@ def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[st
                 raise
             _CURRENT.op = outer
             return take_refusal(op_call, args, kwargs, error)
+        except MixedTensorError as error:  # a plain tensor beside DTensors (the fallback's)
+            _CURRENT.op = outer
+            return take_refusal(op_call, args, kwargs, error)
         finally:
             _CURRENT.op = outer
 
@@ -179,7 +183,8 @@ def replacements(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[str, s
     ``decide(op, op_schema, native)`` is asked on every miss while the library has a miss rule
     or the fallback; it returns a :data:`DivertedCall` to run the call instead of torch (never
     cached), or ``None`` to keep torch's decision (cached as usual). ``take_refusal`` gets
-    2.9's refusals of list-only ops (raise the error to keep torch's).
+    2.9's refusals of list-only ops and its ``MixedTensorError`` refusals of plain tensors
+    beside DTensors (raise the error to keep it).
 
     Raises:
         PatchError: an internal the hook wraps is missing.

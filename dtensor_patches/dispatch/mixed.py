@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PlainGrads",
     "ambiguity_error",
+    "certain_reading",
     "clip_grads_with_norm",
     "gathered_locally",
     "registrations",
@@ -246,6 +247,39 @@ def ambiguity_error(
         op=str(op),
         shape=shape,
     )
+
+
+def certain_reading(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[], Any] | None:
+    """The run of a call with a plain tensor beside DTensors whose meaning is certain, or
+    ``None``. Certain: ``dst.copy_(src)`` between a plain tensor and a DTensor, in either
+    direction (issue 18): the plain side holds the full value. Into a DTensor, each rank keeps
+    its part of the (broadcast) plain value, cut locally; into a plain tensor, the DTensor's full
+    value (an all-gather: every rank makes the call, as a weight sync does). Computed before
+    anything is written.
+
+    Reached on torch 2.9 only: from 2.10 torch refuses these in C++ before any Python runs
+    (known gaps: ``with implicit_replication(): p.copy_(full)``, ``t.copy_(p.full_tensor())``).
+    """
+    if str(op) != "aten.copy_.default" or len(args) < 2:
+        return None
+    dtensor = dtensor_class()
+    dst, src = args[0], args[1]
+    non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+    if isinstance(dst, dtensor) and isinstance(src, torch.Tensor) and not isinstance(src, dtensor):
+
+        def into_dtensor() -> Any:
+            from torch.distributed.tensor import distribute_tensor
+
+            full = src.expand(dst.shape)  # torch's broadcasting rule for copy_
+            part = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None)
+            return dst.copy_(part, non_blocking=non_blocking)
+
+        return into_dtensor
+    if isinstance(src, dtensor) and isinstance(dst, torch.Tensor) and not isinstance(dst, dtensor):
+        return lambda: dst.copy_(full_tensor(src), non_blocking=non_blocking)
+    return None
 
 
 def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
