@@ -21,7 +21,9 @@ Left as torch has them: calls with ``shape=`` and ``stride=`` (torch's own way t
 global shape; what DCP, pipelining and autograd use), calls with ``run_check=False`` (the
 caller vouches that shards are even: torch's parallel styles and ``local_map`` pass it on
 every layer, where a size exchange per call would cost a collective per layer per step),
-``_StridedShard`` placements, and meshes whose sharded dims all have size 1.
+``_StridedShard`` placements, meshes whose sharded dims all have size 1, ``device_mesh=None``,
+tensor subclasses other than ``Parameter`` as the local tensor (fake tensors), and tracing
+under ``torch.compile``.
 
 Costs: nothing for the calls left as torch has them but one Python frame; one small
 all-gather per mesh dim for the calls it acts on (on a GPU mesh also a device-to-host copy
@@ -148,11 +150,13 @@ def _sizing(from_local: Callable[..., Any]) -> Callable[..., Any]:
             and kwargs.get("shape") is None
             and kwargs.get("stride") is None
         ):
-            # device_mesh=None means torch's current mesh: left as torch has it.
+            # Left as torch has it: device_mesh=None (torch's current mesh), a DTensor (torch
+            # refuses it), and tracing under torch.compile (no collective on fake shapes).
             mesh = device_mesh
             if (
                 mesh is not None
-                and isinstance(local_tensor, torch.Tensor)
+                and type(local_tensor) in (torch.Tensor, torch.nn.Parameter)
+                and not torch.compiler.is_compiling()
                 and _acts_on(mesh, placements)
             ):
                 shape, stride = global_shape_and_stride(local_tensor, mesh, list(placements))
