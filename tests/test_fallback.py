@@ -490,17 +490,24 @@ def _gathered_locally_case() -> dict[str, Any]:
 
     mesh = _mesh((dist.get_world_size(),))
     g = torch.Generator().manual_seed(5)
-    h, w = torch.randn(3, 4, generator=g), torch.randn(6, 4, generator=g)
+    h0, w = torch.randn(3, 4, generator=g), torch.randn(6, 4, generator=g)
+    h = h0 + dist.get_rank()  # this rank's own data: it differs between ranks
     w_plain = w.clone().requires_grad_()
     expected = h @ w_plain.T
-    (expected_grad,) = torch.autograd.grad(expected.sum(), [w_plain])
+    # The loss counts once per rank and the gradient is their sum, as FSDP's reduce-scatter
+    # gives (issue 23, item 1).
+    grads = [
+        torch.autograd.grad(((h0 + r) @ w_plain.T).sum(), [w_plain])[0]
+        for r in range(dist.get_world_size())
+    ]
     with dtensor_patches.patched():
         wd = _place(w.clone(), mesh, ["S0"]).requires_grad_()
         try:
             h @ wd.T
             mixed_refused = False
         except RuntimeError as exc:
-            mixed_refused = "mixed torch.Tensor and DTensor" in str(exc)
+            text = str(exc)
+            mixed_refused = "differ between the ranks" in text and "gathered_locally()" in text
         with dtensor_patches.gathered_locally():
             got = h @ wd.T
         (grad,) = torch.autograd.grad(got.sum(), [wd])
@@ -508,9 +515,7 @@ def _gathered_locally_case() -> dict[str, Any]:
         "mixed_refused": mixed_refused,
         "plain": type(got) is torch.Tensor,
         "value": _same(got, expected),
-        # ``h`` is this rank's own data (here the same on each): the loss counts once per rank
-        # and the gradient is their sum, as FSDP's reduce-scatter gives (issue 23, item 1).
-        "grad": _same(grad, expected_grad * dist.get_world_size()),
+        "grad": _same(grad, sum(grads)),
     }
 
 
@@ -519,51 +524,64 @@ def test_gathered_locally_is_the_second_reading(pool2: RankPool) -> None:
     assert row == {"mixed_refused": True, "plain": True, "value": None, "grad": None}
 
 
-def _ambiguous_case() -> dict[str, Any]:
+def _plain_beside_case() -> dict[str, Any]:
     from torch.distributed.tensor._dispatch import OpDispatcher
     from torch.distributed.tensor.experimental import implicit_replication
 
     import dtensor_patches
-    from dtensor_patches._torch.versions import dispatches_in_cpp
 
     mesh = _mesh((dist.get_world_size(),))
     g = torch.Generator().manual_seed(8)
     scores, mask = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    own = mask + dist.get_rank()  # differs between ranks
     torch_check = OpDispatcher._try_replicate_spec_for_scalar_tensor
     with dtensor_patches.patched():
         wrapped = OpDispatcher._try_replicate_spec_for_scalar_tensor is not torch_check
         sd = _place(scores.clone(), mesh, ["S1"])
+        same = sd + mask  # the same on every rank: checked, then taken as Replicate()
         try:
-            sd + mask
+            sd + own
             error: BaseException | None = None
         except RuntimeError as exc:
             error = exc
         with implicit_replication():
-            got = sd + mask
+            unchecked = sd + own  # the user's own choice: Replicate(), unchecked
+        after_block = sd + mask  # leaving implicit_replication() keeps the checked reading
     restored = OpDispatcher._try_replicate_spec_for_scalar_tensor is torch_check
+    try:
+        sd + mask
+        stock: str | None = None
+    except RuntimeError as exc:
+        stock = str(exc)
     text = str(error)
     return {
-        "python_path": not dispatches_in_cpp(),
         "wrapped": wrapped,
         "restored": restored,
         "kind": type(error).__name__,
+        "names_op": "aten.add.Tensor" in text,
         "names_both": "implicit_replication()" in text and "gathered_locally()" in text,
-        "torch_words_kept": "mixed torch.Tensor and DTensor" in text,
-        # implicit_replication: the mask, the same on every rank, taken as Replicate().
-        "first_reading": _same(_full(got), scores + mask),
+        "says_why": "differ between the ranks" in text,
+        "same": _same(_full(same), scores + mask),
+        "after_block": _same(_full(after_block), scores + mask),
+        "unchecked_local": _same(unchecked.to_local(), (scores + own).chunk(2, 1)[dist.get_rank()]),
+        "stock_refuses_after_revert": stock is not None and "mixed torch.Tensor" in stock,
     }
 
 
-def test_ambiguous_plain_tensor_names_both_readings(pool2: RankPool) -> None:
-    row = pool2.run(_ambiguous_case)[0]
-    assert row["wrapped"] and row["restored"] and row["torch_words_kept"], row
-    assert row["first_reading"] is None, row
-    if row["python_path"]:
-        # torch 2.9 checks plain tensor arguments in Python: our error says both readings.
-        assert row["kind"] == "MixedTensorError" and row["names_both"], row
-    else:
-        # From 2.10 the C++ dispatch path raises torch's own error before any Python runs.
-        assert row["kind"] == "RuntimeError", row
+def test_plain_tensor_beside_dtensors_is_checked(pool2: RankPool) -> None:
+    for row in pool2.run(_plain_beside_case):
+        assert row == {
+            "wrapped": True,
+            "restored": True,
+            "kind": "MixedTensorError",
+            "names_op": True,
+            "names_both": True,
+            "says_why": True,
+            "same": None,
+            "after_block": None,
+            "unchecked_local": None,
+            "stock_refuses_after_revert": True,
+        }, row
 
 
 def test_ambiguity_error_message() -> None:

@@ -17,7 +17,8 @@ The functions torch looks up by name when it runs, and where (same names 2.9 to 
 - leaving ``loss_parallel()`` calls ``torch.distributed.tensor.parallel.loss.
   _disable_custom_loss_ops``;
 - DTensor asks ``OpDispatcher._try_replicate_spec_for_scalar_tensor`` what a plain tensor
-  argument means, only for calls that have one.
+  argument means, only for calls that have one; ``OpDispatcher._allow_implicit_replication`` is
+  the property ``implicit_replication()`` sets (:mod:`.implicit_replication`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ FUNCTION_SITES: dict[str, tuple[str, ...]] = {
     "distribute_module": ("torch.distributed.tensor.parallel.style",),
     "_disable_custom_loss_ops": ("torch.distributed.tensor.parallel.loss",),
     "_try_replicate_spec_for_scalar_tensor": ("torch.distributed.tensor._dispatch:OpDispatcher",),
+    "_allow_implicit_replication": ("torch.distributed.tensor._dispatch:OpDispatcher",),
     "load_state_dict": ("torch.nn.modules.module:Module",),
     "_process_value_according_to_param_policy": ("torch.optim.optimizer:Optimizer",),
     "from_local": ("torch.distributed.tensor._api:DTensor",),

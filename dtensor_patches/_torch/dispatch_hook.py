@@ -9,7 +9,9 @@ propagator objects (:func:`replacements`; the ledger installs and restores them)
 - 2.10+: ``OpDispatcher._propagate_op_sharding_dispatch_slow_path(op_call, args, kwargs,
   op_info, try_cache)``, which the C++ dispatcher calls on a cache miss; a result that is not
   an ``OutputSharding`` is returned to the caller as the op's output (torch itself does this
-  for CompositeImplicitAutograd decompositions), and is not cached.
+  for CompositeImplicitAutograd decompositions), and is not cached. A call with a plain tensor
+  beside DTensors that no rule diverts runs by torch's decision uncached
+  (:mod:`.uncached`), so that every such call asks Python what the plain tensor is.
 - 2.9: ``OpDispatcher.dispatch`` is Python. The propagator's ``propagate_op_sharding_non_cached``
   is wrapped (the cache that :func:`~dtensor_patches._torch.tables.clear_sharding_caches`
   rebuilds over it then caches only torch's decisions); a diverting decision raises
@@ -29,14 +31,15 @@ from typing import TYPE_CHECKING, Any
 from dtensor_patches import state
 from dtensor_patches._torch.access import attribute
 from dtensor_patches._torch.dtensors import dtensor_types
+from dtensor_patches._torch.implicit_replication import user_asked
 from dtensor_patches._torch.tables import (
     DISPATCHER_ATTRIBUTES,
     PROPAGATOR_ATTRIBUTES,
     op_dispatcher,
     sharding_propagator,
 )
+from dtensor_patches._torch.uncached import has_plain_tensor, run_uncached
 from dtensor_patches._torch.versions import dispatches_in_cpp
-from dtensor_patches.errors import MixedTensorError
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -124,6 +127,13 @@ def _slow_path(decide: Decide) -> tuple[str, str, Any]:
         run = decide(op_call, op_info.schema, native)
         if run is not None:
             return run(op_call, args, kwargs)
+        if (
+            state.FALLBACK.get("plain_checked")
+            and not user_asked()
+            and has_plain_tensor(args, kwargs)
+        ):
+            # Checked plain tensors: never cached, so every such call is checked again.
+            return run_uncached(op_call, args, kwargs, op_info, native.get())
         return native.get()
 
     return (DISPATCHER_ATTRIBUTES, name, slow_path)
@@ -165,9 +175,6 @@ def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[st
                 raise
             _CURRENT.op = outer
             return take_refusal(op_call, args, kwargs, error)
-        except MixedTensorError as error:  # a plain tensor beside DTensors (the fallback's)
-            _CURRENT.op = outer
-            return take_refusal(op_call, args, kwargs, error)
         finally:
             _CURRENT.op = outer
 
@@ -183,8 +190,7 @@ def replacements(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[str, s
     ``decide(op, op_schema, native)`` is asked on every miss while the library has a miss rule
     or the fallback; it returns a :data:`DivertedCall` to run the call instead of torch (never
     cached), or ``None`` to keep torch's decision (cached as usual). ``take_refusal`` gets
-    2.9's refusals of list-only ops and its ``MixedTensorError`` refusals of plain tensors
-    beside DTensors (raise the error to keep it).
+    2.9's refusals of list-only ops (raise the error to keep it).
 
     Raises:
         PatchError: an internal the hook wraps is missing.

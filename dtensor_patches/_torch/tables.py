@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtensor_patches import state
-from dtensor_patches._torch import attributes
+from dtensor_patches._torch import attributes, implicit_replication
 from dtensor_patches._torch.access import ABSENT, attribute, internal, module, moved
 from dtensor_patches._torch.dtensors import dtensor_class
 from dtensor_patches._torch.versions import dispatches_in_cpp
@@ -130,6 +130,8 @@ class Tables(Mapping[str, Table]):
 
     - ``"propagator.<attr>"`` / ``"dispatcher.<attr>"``: DTensor's op tables (:data:`OP_TABLES`);
     - :data:`LOSS_PARALLEL_HANDLERS`;
+    - the C++ implicit-replication flag of the calling thread
+      (:data:`~dtensor_patches._torch.implicit_replication.CPP_FLAG_TABLE`);
     - ``"attributes of <module>"``, ``"attributes of <module>:<Class>"``: an object's own
       attributes (:mod:`.attributes`), and the dispatcher's and propagator's instance
       attributes (:data:`DISPATCHER_ATTRIBUTES`, :data:`PROPAGATOR_ATTRIBUTES`);
@@ -142,6 +144,8 @@ class Tables(Mapping[str, Table]):
             return own
         if name == LOSS_PARALLEL_HANDLERS:
             return _loss_parallel_handlers()
+        if name == implicit_replication.CPP_FLAG_TABLE:
+            return implicit_replication.CppFlagTable()
         if name == DISPATCHER_ATTRIBUTES:
             return attributes.AttributeTable(op_dispatcher(), "DTensor._op_dispatcher")
         if name == PROPAGATOR_ATTRIBUTES:

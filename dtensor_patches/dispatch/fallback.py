@@ -163,6 +163,7 @@ def install(chosen: str) -> None:
             FALLBACK,
             [
                 *mixed.registrations(),
+                _FallbackSetting("plain_checked", True),
                 _FallbackSetting("mode", chosen),
                 _FallbackSetting("call", run_fallback),
             ],

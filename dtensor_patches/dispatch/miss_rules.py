@@ -150,18 +150,7 @@ def decide(op: OpOverload, schema: OpSchema, native: NativeDecision) -> Diverted
 def take_refusal(
     op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: BaseException
 ) -> Any:
-    """A refusal torch makes before propagation on 2.9: a list-only op (the fallback's, if on),
-    or a plain tensor beside DTensors (``MixedTensorError``: run where its meaning is certain,
-    :func:`dtensor_patches.dispatch.mixed.certain_reading`, else raised)."""
-    from dtensor_patches.errors import MixedTensorError
-
-    if isinstance(error, MixedTensorError):
-        from dtensor_patches.dispatch.mixed import certain_reading
-
-        run = certain_reading(op_call, args, kwargs)
-        if run is None:
-            raise error
-        return run()
+    """A refusal torch makes before propagation on 2.9: a list-only op (the fallback's, if on)."""
     fallback = state.FALLBACK.get("call")
     if fallback is None:
         raise error

@@ -14,10 +14,10 @@ grouping. ``clip_grad_norm_`` / ``get_total_norm`` over such lists compute the t
 norm: one norm per kind (a DTensor group's norm reduced over its mesh), combined as torch
 combines per-tensor norms (``vector_norm`` of the stacked norms).
 
-Uncertain: any other plain tensor beside DTensors. :func:`ambiguity_error` replaces torch's
-refusal with a :class:`~dtensor_patches.errors.MixedTensorError` naming both readings and how
-to choose (``implicit_replication()`` or :func:`gathered_locally`), where torch makes that check
-in Python (2.9; from 2.10 only for the calls its C++ dispatch hands back to Python).
+Any other plain tensor beside DTensors in an op: :mod:`.plain_checked` (``copy_`` in either
+direction as the full value, anything else as ``Replicate()`` once the ranks are found to hold
+the same values, else a :class:`~dtensor_patches.errors.MixedTensorError` naming both readings
+and how to choose: ``implicit_replication()`` or :func:`gathered_locally`).
 
 These are the fallback's registrations (:func:`registrations`): on while it is on.
 """
@@ -29,19 +29,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.dtensors import dtensor_class, full_tensor
+from dtensor_patches._torch.implicit_replication import (
+    CPP_FLAG_KEY,
+    CPP_FLAG_TABLE,
+    intent_property,
+)
 from dtensor_patches.dispatch.gathered import GatherMode
+from dtensor_patches.dispatch.plain_checked import checked_reading, readings_error
 from dtensor_patches.dispatch.wrappers import WrappedFunction, original_function
-from dtensor_patches.errors import MixedTensorError
+from dtensor_patches.errors import MixedTensorError, first_line
 from dtensor_patches.norms import PlainGrads, grad_norm
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "CppFlagOn",
     "PlainGrads",
     "ambiguity_error",
-    "certain_reading",
     "clip_grads_with_norm",
     "gathered_locally",
     "registrations",
@@ -229,75 +236,35 @@ def ambiguity_error(
     """The error for a plain tensor ``plain`` beside DTensors on ``mesh`` in a call of ``op``
     that DTensor refused (``error``): a :class:`~dtensor_patches.errors.MixedTensorError`
     naming both readings and the one line that says which is meant."""
-    shape = tuple(plain.shape)
-    mesh_shape = "x".join(str(s) for s in getattr(mesh, "shape", ())) or "?"
-    return MixedTensorError(
-        f"{op}: a plain torch.Tensor of shape {list(shape)} is passed beside DTensors (mesh "
-        f"{mesh_shape}), and what it holds is ambiguous. Say which:\n"
-        "  - the same values on every rank (a causal mask beside sharded attention scores, a "
-        "constant): wrap the call in "
-        "`with torch.distributed.tensor.experimental.implicit_replication():` (it is taken "
-        "as Replicate());\n"
-        "  - this rank's own data, with the DTensor's full value wanted (an FSDP2 parameter "
-        "used outside its module, e.g. `hidden @ lm_head.weight.T`): wrap it in "
-        "`with dtensor_patches.gathered_locally():` (the DTensors are gathered, "
-        "differentiably, and the call runs on plain tensors);\n"
-        "  - or make it a DTensor yourself: `DTensor.from_local(t, mesh, placements)`.\n"
-        f"(torch: {str(error).splitlines()[0]})",
-        op=str(op),
-        shape=shape,
+    return readings_error(
+        op, plain, mesh, f"what it holds is ambiguous (torch: {first_line(error)})"
     )
 
 
-def certain_reading(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Callable[[], Any] | None:
-    """The run of a call with a plain tensor beside DTensors whose meaning is certain, or
-    ``None``. Certain: ``dst.copy_(src)`` between a plain tensor and a DTensor, in either
-    direction (issue 18): the plain side holds the full value. Into a DTensor, each rank keeps
-    its part of the (broadcast) plain value, cut locally; into a plain tensor, the DTensor's full
-    value (an all-gather: every rank makes the call, as a weight sync does). Computed before
-    anything is written.
+class CppFlagOn:
+    """Keeps the C++ implicit-replication flag of the applying thread on, so that calls with a
+    plain tensor beside DTensors reach :func:`~dtensor_patches.dispatch.plain_checked.
+    checked_reading` from 2.10 too (:mod:`dtensor_patches._torch.implicit_replication`)."""
 
-    Reached on torch 2.9 only: from 2.10 torch refuses these in C++ before any Python runs
-    (known gaps: ``with implicit_replication(): p.copy_(full)``, ``t.copy_(p.full_tensor())``).
-    """
-    if str(op) != "aten.copy_.default" or len(args) < 2:
-        return None
-    dtensor = dtensor_class()
-    dst, src = args[0], args[1]
-    non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
-    if isinstance(dst, dtensor) and isinstance(src, torch.Tensor) and not isinstance(src, dtensor):
+    kind = "thread flag"
 
-        def into_dtensor() -> Any:
-            from torch.distributed.tensor import distribute_tensor
+    @property
+    def concerns(self) -> tuple[str, ...]:
+        return ()
 
-            full = src.expand(dst.shape)  # torch's broadcasting rule for copy_
-            part = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None)
-            return dst.copy_(part, non_blocking=non_blocking)
+    def entries(self) -> list[tuple[str, str]]:
+        return [(CPP_FLAG_TABLE, CPP_FLAG_KEY)]
 
-        return into_dtensor
-    if isinstance(src, dtensor) and isinstance(dst, torch.Tensor) and not isinstance(dst, dtensor):
-        return lambda: dst.copy_(full_tensor(src), non_blocking=non_blocking)
-    return None
+    def install(self) -> None:
+        torch_tables.tables()[CPP_FLAG_TABLE][CPP_FLAG_KEY] = True
 
 
-def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
-    def checked(self: Any, op_call: Any, tensor_arg: torch.Tensor, compute_mesh: Any) -> Any:
-        try:
-            return original(self, op_call, tensor_arg, compute_mesh)
-        except RuntimeError as error:
-            if "mixed torch.Tensor and DTensor" not in str(error):
-                raise
-            raise ambiguity_error(op_call, tensor_arg, compute_mesh, error) from error
-
-    return checked
-
-
-def registrations() -> list[WrappedFunction]:
-    """The wrapped torch functions that make mixed kinds work (or fail clearly)."""
+def registrations() -> list[Any]:
+    """The wrapped torch functions and settings that make mixed kinds work (or fail clearly)."""
     return [
-        WrappedFunction("_try_replicate_spec_for_scalar_tensor", _checked),
+        WrappedFunction("_allow_implicit_replication", intent_property),
+        CppFlagOn(),
+        WrappedFunction("_try_replicate_spec_for_scalar_tensor", checked_reading),
         WrappedFunction("_group_tensors_by_device_and_dtype", _grouping),
         WrappedFunction("_get_total_norm", _norm_of_kinds),
         WrappedFunction("get_total_norm", _norm_of_kinds),

@@ -50,7 +50,13 @@ import torch.distributed as dist
 from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches.errors import RankLocalCallError, RankLocalReadError, first_line
 
-__all__ = ["RANK_CHECK_TIMEOUT_ENV", "check_same_call", "read_partial_scalar", "side_group"]
+__all__ = [
+    "RANK_CHECK_TIMEOUT_ENV",
+    "check_same_call",
+    "gather_if_same_call",
+    "read_partial_scalar",
+    "side_group",
+]
 
 RANK_CHECK_TIMEOUT_ENV = "DTENSOR_PATCHES_RANK_CHECK_TIMEOUT"
 """Seconds a read of a ``Partial`` scalar, or the fallback's same-call check, waits for the
@@ -293,3 +299,22 @@ def check_same_call(op: Any, leaves: list[Any]) -> None:
         advice=_CALL_ADVICE,
         error=RankLocalCallError,
     )
+
+
+def gather_if_same_call(
+    ranks: tuple[int, ...], parts: list[str], values: list[int], *, what: str, advice: str
+) -> list[list[int]]:
+    """Every rank's ``values`` (int64) gathered on the side group of ``ranks``, once every rank
+    is found making the same call (the calling line and ``parts``, fingerprinted). Collective
+    over ``ranks``, on the host; nothing else of the program is touched.
+
+    Raises:
+        RankLocalCallError: another rank made another call, or none within
+            ``DTENSOR_PATCHES_RANK_CHECK_TIMEOUT`` seconds.
+    """
+    site = _call_site()
+    mine = torch.tensor([_fingerprint([site, *parts]), *values], dtype=torch.int64)
+    gathered = _gathered_if_same(
+        ranks, mine, site, what=what, noun="call", advice=advice, error=RankLocalCallError
+    )
+    return [[int(v) for v in t[1:].tolist()] for t in gathered]

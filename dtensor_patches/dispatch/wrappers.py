@@ -50,7 +50,7 @@ class WrappedFunction:
     """
 
     name: str
-    make: Callable[[Callable[..., Any]], Callable[..., Any]]
+    make: Callable[[Any], Any]  # torch's function (or property) -> its replacement
     kind: ClassVar[str] = "wrapped function"
 
     @property
