@@ -395,3 +395,13 @@ def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """
     is_alias_of = attribute(torch._C, "_is_alias_of", "torch._C._is_alias_of")
     return bool(is_alias_of(a, b))
+
+
+def holds_real_values(tensor: Any) -> bool:
+    """Whether ``tensor`` is a plain tensor, a ``Parameter`` or an ``AsyncCollectiveTensor``
+    (what ``to_local()`` of a redistributed DTensor returns, ``torch.distributed.
+    _functional_collectives``): real values on this rank, not a fake or other subclass."""
+    kind = type(tensor)
+    if kind in (torch.Tensor, torch.nn.Parameter):
+        return True
+    return kind is internal("torch.distributed._functional_collectives", "AsyncCollectiveTensor")

@@ -23,26 +23,33 @@ from dtensor_patches.ledger import MISSING, EntryKey
 __all__ = ["WrappedFunction", "original_function"]
 
 
-def original_function(name: str) -> Callable[..., Any]:
-    """torch's own ``name`` (a key of ``FUNCTION_SITES``), as its first site holds it before
-    any replacement by the library.
+def original_function(name: str, owner: str | None = None) -> Callable[..., Any]:
+    """torch's own ``name`` (a key of ``FUNCTION_SITES``, or an attribute of ``owner``:
+    ``module`` or ``module:Class``), as its first site holds it before any replacement by the
+    library.
 
     Raises:
         PatchError: the site or the function moved.
     """
     directory = torch_tables.tables()
-    table_name = attributes.site_table_names(name)[0]
+    table_name = _site_tables(name, owner)[0]
     current = directory[table_name].get(name)
     value = state.LEDGER.original((table_name, name), current)
     if value is MISSING:
-        raise moved(f"{attributes.FUNCTION_SITES[name][0]}.{name}")
+        raise moved(f"{table_name.removeprefix(attributes.PREFIX)}.{name}")
     return value
+
+
+def _site_tables(name: str, owner: str | None) -> list[str]:
+    return [attributes.table_name(owner)] if owner else attributes.site_table_names(name)
 
 
 @dataclass(frozen=True)
 class WrappedFunction:
-    """Replace torch's ``name`` (a key of ``FUNCTION_SITES``) at every site with
-    ``make(torch_function)``; all sites or none.
+    """Replace torch's ``name`` at every site with ``make(torch_function)``; all sites or none.
+    The sites: ``FUNCTION_SITES[name]``, or the one ``owner`` (``module`` or
+    ``module:Class``) for a method that each class defines for itself (the parallel styles'
+    ``_prepare_input_fn``).
 
     Raises (at install):
         PatchError: a site or the function moved, or a site holds something other than torch's
@@ -51,6 +58,7 @@ class WrappedFunction:
 
     name: str
     make: Callable[[Any], Any]  # torch's function (or property) -> its replacement
+    owner: str | None = None
     kind: ClassVar[str] = "wrapped function"
 
     @property
@@ -58,13 +66,13 @@ class WrappedFunction:
         return ()
 
     def entries(self) -> Sequence[EntryKey]:
-        return [(table, self.name) for table in attributes.site_table_names(self.name)]
+        return [(table, self.name) for table in _site_tables(self.name, self.owner)]
 
     def install(self) -> None:
         directory = torch_tables.tables()
-        original = original_function(self.name)
+        original = original_function(self.name, self.owner)
         planned = []
-        for table_name in attributes.site_table_names(self.name):
+        for table_name in _site_tables(self.name, self.owner):
             table = directory[table_name]
             current = table.get(self.name)
             if current is MISSING:

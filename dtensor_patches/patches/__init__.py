@@ -24,7 +24,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dtensor_patches.patch import Patch
-from dtensor_patches.patches.edges import from_local_uneven, full_state_dict, mesh_in_lists
+from dtensor_patches.patches.edges import (
+    from_local_uneven,
+    full_state_dict,
+    mesh_in_lists,
+    uneven_gather_layout,
+)
 from dtensor_patches.patches.indexing import (
     data_dependent,
     getitem,
@@ -169,6 +174,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         t_of_vector.PATCH,
         full_state_dict.PATCH,
         from_local_uneven.PATCH,
+        uneven_gather_layout.PATCH,
         mesh_in_lists.PATCH,
     )
 )

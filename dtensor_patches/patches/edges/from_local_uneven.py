@@ -32,14 +32,17 @@ of those integers).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from packaging.specifiers import SpecifierSet
 
+from dtensor_patches._torch.dtensors import holds_real_values
 from dtensor_patches.mesh_rows import gather_rows
 from dtensor_patches.patch import Patch, WrappedFunction
+from dtensor_patches.patches.edges import _local_boundaries
 
 OPS = ("_c10d_functional.all_gather_into_tensor.default",)  # the collective that mis-sizes
 
@@ -143,31 +146,142 @@ def _sizing(from_local: Callable[..., Any]) -> Callable[..., Any]:
         placements: Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """torch's ``DTensor.from_local``; without ``shape``/``stride``/``run_check=False`` on
-        a sharded mesh, with the global shape the ranks' local shapes give."""
+        """torch's ``DTensor.from_local``; on a sharded mesh without ``shape``/``stride``, with
+        the global shape the ranks' local shapes give (``run_check=False`` calls: inside
+        torch's parallel styles and ``local_map`` only, :mod:`._local_boundaries`)."""
+        # Left as torch has it: device_mesh=None (torch's current mesh), a DTensor (torch
+        # refuses it), and tracing under torch.compile (no collective on fake shapes).
         if (
-            ("run_check" not in kwargs or kwargs["run_check"])
-            and kwargs.get("shape") is None
+            kwargs.get("shape") is None
             and kwargs.get("stride") is None
+            and device_mesh is not None
+            and holds_real_values(local_tensor)
+            and _acts_on(device_mesh, placements)
+            and not torch.compiler.is_compiling()
         ):
-            # Left as torch has it: device_mesh=None (torch's current mesh), a DTensor (torch
-            # refuses it), and tracing under torch.compile (no collective on fake shapes).
-            mesh = device_mesh
-            if (
-                mesh is not None
-                and type(local_tensor) in (torch.Tensor, torch.nn.Parameter)
-                and not torch.compiler.is_compiling()
-                and _acts_on(mesh, placements)
-            ):
-                shape, stride = global_shape_and_stride(local_tensor, mesh, list(placements))
-                kwargs["shape"], kwargs["stride"] = shape, stride
-        return from_local(local_tensor, device_mesh, placements, **kwargs)
+            assert placements is not None
+            if "run_check" not in kwargs or kwargs["run_check"]:
+                sized = global_shape_and_stride(local_tensor, device_mesh, list(placements))
+            else:
+                sized = _local_boundaries.resolve(
+                    local_tensor, device_mesh, list(placements), global_shape_and_stride
+                )
+            if sized is not None:
+                kwargs["shape"], kwargs["stride"] = sized
+        result = from_local(local_tensor, device_mesh, placements, **kwargs)
+        _local_boundaries.note_built(result)
+        return result
 
     return staticmethod(from_local_sized)  # type: ignore[return-value]
 
 
+def _function(method: Any) -> Callable[..., Any]:
+    return method.__func__ if isinstance(method, staticmethod) else method
+
+
+def _style_input(original: Any) -> Any:
+    """``Colwise/Rowwise/SequenceParallel._prepare_input_fn(..., mod, inputs, device_mesh)``
+    run as a boundary of ``mod``."""
+    fn = _function(original)
+
+    @functools.wraps(fn)  # torch counts its parameters
+    def prepare_input(*args: Any) -> Any:
+        with _local_boundaries.boundary(args[-3]):
+            return fn(*args)
+
+    return staticmethod(prepare_input)
+
+
+def _style_output(original: Any) -> Any:
+    """``Colwise/Rowwise/SequenceParallel._prepare_output_fn(..., mod, outputs,
+    device_mesh)``: a local output is tagged with its DTensor's global shape."""
+    fn = _function(original)
+
+    @functools.wraps(fn)  # torch counts its parameters
+    def prepare_output(*args: Any) -> Any:
+        outputs = args[-2]
+        result = fn(*args)
+        if holds_real_values(result) and hasattr(outputs, "device_mesh"):
+            _local_boundaries.tag(result, outputs.device_mesh, outputs.shape)
+        return result
+
+    return staticmethod(prepare_output)
+
+
+def _tag_results(sources: Sequence[Any], results: Sequence[Any], mesh: Any, built: list) -> None:
+    """Tag each plain result with the global shape of its source: the DTensor it was, or the
+    next DTensor ``from_local`` built in the boundary."""
+    shapes = iter(built)
+    for source, result in zip(sources, results, strict=False):
+        shape = source.shape if hasattr(source, "device_mesh") else None
+        if shape is None and holds_real_values(source):
+            shape = next(shapes, None)
+        if shape is not None and holds_real_values(result):
+            _local_boundaries.tag(result, mesh, shape)
+
+
+def _module_input_arg(original: Any) -> Any:
+    """``PrepareModuleInput._prepare_input_arg(self, input, mesh, input_layout,
+    desired_layout)``: a boundary of the style; a local result tagged."""
+
+    @functools.wraps(original)
+    def prepare_input_arg(self: Any, value: Any, mesh: Any, *args: Any, **kwargs: Any) -> Any:
+        with _local_boundaries.boundary(self) as built:
+            result = original(self, value, mesh, *args, **kwargs)
+        _tag_results([value], [result], mesh, built)
+        return result
+
+    return prepare_input_arg
+
+
+def _module_output(original: Any) -> Any:
+    """``PrepareModuleOutput._prepare_out_fn(self, outputs, device_mesh)``: a boundary of the
+    style; local results tagged."""
+
+    @functools.wraps(original)
+    def prepare_out(self: Any, outputs: Any, mesh: Any) -> Any:
+        with _local_boundaries.boundary(self) as built:
+            result = original(self, outputs, mesh)
+        many = isinstance(outputs, tuple)
+        _tag_results(
+            outputs if many else (outputs,), result if many else (result,), mesh, built
+        )
+        return result
+
+    return prepare_out
+
+
+def _local_map(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.distributed.tensor.experimental._func_map._local_map_wrapped(func, ...,
+    *args)``: its outputs' ``from_local`` is a boundary of ``func``; unevenly sharded inputs
+    mark their mesh."""
+
+    @functools.wraps(original)
+    def local_map_wrapped(func: Any, *args: Any, **kwargs: Any) -> Any:
+        _local_boundaries.note_dtensor_inputs([*args, *kwargs.values()])
+        with _local_boundaries.boundary(func):
+            return original(func, *args, **kwargs)
+
+    return local_map_wrapped
+
+
+_STYLE = "torch.distributed.tensor.parallel.style:"
+
+
 def _registrations() -> list[WrappedFunction]:
-    return [WrappedFunction("from_local", _sizing)]
+    styles = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel")
+    return [
+        WrappedFunction("from_local", _sizing),
+        *(WrappedFunction("_prepare_input_fn", _style_input, _STYLE + s) for s in styles),
+        *(WrappedFunction("_prepare_output_fn", _style_output, _STYLE + s) for s in styles),
+        WrappedFunction("_prepare_input_arg", _module_input_arg, _STYLE + "PrepareModuleInput"),
+        WrappedFunction("_prepare_out_fn", _module_output, _STYLE + "PrepareModuleOutput"),
+        WrappedFunction(
+            "_local_map_wrapped",
+            _local_map,
+            "torch.distributed.tensor.experimental._func_map",
+        ),
+    ]
 
 
 def reproduce(mesh: Any) -> str | None:
