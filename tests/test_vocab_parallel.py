@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from packaging.version import Version
 
 from dtensor_patches.testing import RankPool
 
@@ -92,14 +91,9 @@ PATTERNS: dict[str, tuple[Callable[..., torch.Tensor], int]] = {
     "topk_indices": (_topk_indices, 6),
 }
 # torch 2.9 to 2.11 build topk's gradient from plain zeros beside the DTensor gradient
-# (value_selecting_reduction_backward), which raises with or without the patches: a known gap
-# (docs/known-gaps.md); from 2.12 the zeros are a DTensor.
-_TOPK_GRAD = Version(torch.__version__.split("+")[0]) >= Version("2.12")
-DIFFERENTIABLE = {
-    name
-    for name in PATTERNS
-    if name not in ("argmax", "topk_indices") and (_TOPK_GRAD or name != "topk_values")
-}
+# (value_selecting_reduction_backward); the zeros are the same on every rank, so the checked
+# reading of plain tensors (issue 18) takes them as Replicate(); from 2.12 they are a DTensor.
+DIFFERENTIABLE = {name for name in PATTERNS if name not in ("argmax", "topk_indices")}
 
 
 def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

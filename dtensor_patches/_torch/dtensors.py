@@ -402,6 +402,9 @@ def holds_real_values(tensor: Any) -> bool:
     (what ``to_local()`` of a redistributed DTensor returns, ``torch.distributed.
     _functional_collectives``): real values on this rank, not a fake or other subclass."""
     kind = type(tensor)
-    if kind in (torch.Tensor, torch.nn.Parameter):
-        return True
-    return kind is internal("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+    return kind in (torch.Tensor, torch.nn.Parameter) or kind is _async_collective_tensor()
+
+
+@functools.cache
+def _async_collective_tensor() -> type:
+    return internal("torch.distributed._functional_collectives", "AsyncCollectiveTensor")

@@ -36,10 +36,9 @@ re-wrapped with raises ``ValueError`` (the placements do not describe it).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,17 +66,24 @@ _SEEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _CURRENT = threading.local()
 
 
-@contextlib.contextmanager
-def boundary(site: Any) -> Iterator[list[torch.Size]]:
-    """Mark this thread as inside the boundary ``site`` (a module, a style, a ``local_map``
-    function); yields the list of global shapes of the DTensors ``from_local`` built in it."""
-    outer = getattr(_CURRENT, "frame", None)
-    built: list[torch.Size] = []
-    _CURRENT.frame = (site, built)
-    try:
-        yield built
-    finally:
-        _CURRENT.frame = outer
+class boundary:
+    """``with boundary(site) as built:`` marks this thread as inside the boundary ``site`` (a
+    module, a style, a ``local_map`` function); ``built`` collects the global shapes of the
+    DTensors ``from_local`` builds in it. A class, not a generator: it runs on every layer."""
+
+    __slots__ = ("built", "outer", "site")
+
+    def __init__(self, site: Any) -> None:
+        self.site = site
+        self.built: list[torch.Size] = []
+
+    def __enter__(self) -> list[torch.Size]:
+        self.outer = getattr(_CURRENT, "frame", None)
+        _CURRENT.frame = (self.site, self.built)
+        return self.built
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.frame = self.outer
 
 
 def stride_like(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
