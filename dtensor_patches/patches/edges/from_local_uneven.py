@@ -17,13 +17,15 @@ rank, the last ones shorter or empty) cannot be one DTensor; shapes that differ 
 are a mistake; either raises ``ValueError`` on every rank (the check runs over the whole mesh
 before anyone raises) and builds nothing.
 
+Inside torch's parallel styles and ``local_map`` (which pass ``run_check=False`` on every
+layer) the global shape is taken where it is already known, and exchanged only where it is not
+(:mod:`._local_boundaries`).
+
 Left as torch has them: calls with ``shape=`` and ``stride=`` (torch's own way to give the
-global shape; what DCP, pipelining and autograd use), calls with ``run_check=False`` (the
-caller vouches that shards are even: torch's parallel styles and ``local_map`` pass it on
-every layer, where a size exchange per call would cost a collective per layer per step),
-``_StridedShard`` placements, meshes whose sharded dims all have size 1, ``device_mesh=None``,
-tensor subclasses other than ``Parameter`` as the local tensor (fake tensors), and tracing
-under ``torch.compile``.
+global shape; what DCP, pipelining and autograd use), other calls with ``run_check=False`` (the
+caller vouches that shards are even), ``_StridedShard`` placements, meshes whose sharded dims
+all have size 1, ``device_mesh=None``, local tensors of a subclass other than ``Parameter`` and
+torch's ``AsyncCollectiveTensor`` (fake tensors), and tracing under ``torch.compile``.
 
 Costs: nothing for the calls left as torch has them but one Python frame; one small
 all-gather per mesh dim for the calls it acts on (on a GPU mesh also a device-to-host copy
@@ -310,14 +312,18 @@ def reproduce(mesh: Any) -> str | None:
 
 PATCH = Patch(
     name="from_local_uneven",
-    summary="DTensor.from_local without shape= gets the true global shape of uneven shards",
+    summary=(
+        "DTensor.from_local without shape= (parallel styles and local_map included) gets the "
+        "true global shape of uneven shards"
+    ),
     ops=OPS,
     gate=SpecifierSet(">=2.9"),
     registrations=_registrations,
     reproduce=reproduce,
     overrides_existing=True,
     communication=(
-        "one all-gather of 32 integers per mesh dim longer than 1, only for from_local "
-        "calls without shape=/stride= or run_check=False on a sharded mesh"
+        "one all-gather of 32 integers per mesh dim longer than 1, for from_local calls "
+        "without shape=/stride= or run_check=False on a sharded mesh, and inside parallel "
+        "styles and local_map only where the global shape is not already known"
     ),
 )
