@@ -115,11 +115,26 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, grad: bool) -> dict[str, to
     return out
 
 
-def _tp_model(tp_mesh: Any) -> torch.nn.Module:
+def _tp_model(tp_mesh: Any, problems: list[str]) -> torch.nn.Module:
+    """The model under the TP + SP plan; every module's DTensor output is checked for the
+    ranks' agreement on its global spec (``spec_disagreement``, collective), into
+    ``problems``."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from dtensor_patches.testing import spec_disagreement
+
+    def check(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, DTensor):
+            problem = spec_disagreement(output)
+            if problem is not None:
+                problems.append(f"{type(module).__name__}: {problem}")
+
     torch.manual_seed(0)
-    return parallelize_module(_Model(), tp_mesh, _plan())
+    model = parallelize_module(_Model(), tp_mesh, _plan())
+    for module in model.modules():
+        module.register_forward_hook(check)
+    return model
 
 
 def _model_case(mesh_shape: tuple[int, ...], lengths: list[int], grad: bool) -> dict[str, Any]:
@@ -136,8 +151,9 @@ def _model_case(mesh_shape: tuple[int, ...], lengths: list[int], grad: bool) -> 
         exchanges[-1] += 1
         return exchange(*args)
 
+    problems: list[str] = []
     with dtensor_patches.patched():
-        model = _tp_model(mesh["tp"])
+        model = _tp_model(mesh["tp"], problems)
         from_local_uneven.global_shape_and_stride = counted
         try:
             steps = []
@@ -146,12 +162,13 @@ def _model_case(mesh_shape: tuple[int, ...], lengths: list[int], grad: bool) -> 
                 steps.append(_step(model, _ids(n), grad))
         finally:
             from_local_uneven.global_shape_and_stride = exchange
-    return {"steps": steps, "exchanges": exchanges}
+    return {"steps": steps, "exchanges": exchanges, "problems": problems}
 
 
 def _check(rows: list[dict[str, Any]], lengths: list[int], grad: bool) -> None:
     expected = _reference(lengths, grad)
     for row in rows:
+        assert row["problems"] == [], row["problems"]
         for n, got, want in zip(lengths, row["steps"], expected, strict=True):
             for key in want:
                 torch.testing.assert_close(got[key], want[key], msg=f"length {n}: {key}")

@@ -67,19 +67,22 @@ _CURRENT = threading.local()
 
 
 class boundary:
-    """``with boundary(site) as built:`` marks this thread as inside the boundary ``site`` (a
-    module, a style, a ``local_map`` function); ``built`` collects the global shapes of the
-    DTensors ``from_local`` builds in it. A class, not a generator: it runs on every layer."""
+    """``with boundary(site, last_dim=n) as built:`` marks this thread as inside the boundary
+    ``site`` (a module, a style, a ``local_map`` function); ``last_dim``: the global size of
+    the last dim of its input where the module knows it (a ``RowwiseParallel`` linear's
+    ``in_features``). ``built`` collects the global shapes of the DTensors ``from_local``
+    builds in it. A class, not a generator: it runs on every layer."""
 
-    __slots__ = ("built", "outer", "site")
+    __slots__ = ("built", "last_dim", "outer", "site")
 
-    def __init__(self, site: Any) -> None:
+    def __init__(self, site: Any, last_dim: int | None = None) -> None:
         self.site = site
+        self.last_dim = last_dim
         self.built: list[torch.Size] = []
 
     def __enter__(self) -> list[torch.Size]:
         self.outer = getattr(_CURRENT, "frame", None)
-        _CURRENT.frame = (self.site, self.built)
+        _CURRENT.frame = self
         return self.built
 
     def __exit__(self, *exc: object) -> None:
@@ -139,6 +142,27 @@ def _known(local: torch.Tensor, mesh: Any) -> torch.Size | None:
     return entry[1]
 
 
+def _even_reading(local: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> torch.Size:
+    """The global shape torch's ``from_local`` assumes: each sharded dim times the mesh size."""
+    shape = list(local.shape)
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            shape[placement.dim % local.ndim] *= mesh.size(mesh_dim)
+    return torch.Size(shape)
+
+
+def _from_last_dim(
+    local: torch.Tensor, placements: Sequence[Any], last_dim: int | None
+) -> torch.Size | None:
+    """The global shape when only the last dim is sharded and the module knows its size."""
+    if last_dim is None or not local.ndim:
+        return None
+    sharded = {p.dim % local.ndim for p in placements if p.is_shard()}
+    if sharded != {local.ndim - 1}:
+        return None
+    return torch.Size((*local.shape[:-1], last_dim))
+
+
 def resolve(
     local: torch.Tensor, mesh: Any, placements: Sequence[Any], exchange: Any
 ) -> tuple[torch.Size, tuple[int, ...]] | None:
@@ -154,9 +178,14 @@ def resolve(
     frame = getattr(_CURRENT, "frame", None)
     if frame is None:
         return None
-    site = frame[0]
+    site = frame.site
     shape = _known(local, mesh)
+    if shape is None:
+        shape = _from_last_dim(local, placements, frame.last_dim)
     if shape is not None:
+        if shape == _even_reading(local, mesh, placements):
+            _SEEN.setdefault(site, False)
+            return None  # torch's own reading is right: nothing to add to its call
         expected, _ = local_shape_and_offset(shape, mesh, placements)
         if tuple(expected) != tuple(local.shape):
             raise ValueError(
@@ -186,4 +215,4 @@ def note_built(dtensor: Any) -> None:
     the local tensor the boundary returns for it)."""
     frame = getattr(_CURRENT, "frame", None)
     if frame is not None:
-        frame[1].append(dtensor.shape)
+        frame.built.append(dtensor.shape)

@@ -188,10 +188,20 @@ def _style_input(original: Any) -> Any:
 
     @functools.wraps(fn)  # torch counts its parameters
     def prepare_input(*args: Any) -> Any:
-        with _local_boundaries.boundary(args[-3]):
+        mod = args[-3]
+        with _local_boundaries.boundary(mod, _in_features(mod)):
             return fn(*args)
 
     return staticmethod(prepare_input)
+
+
+def _in_features(module: Any) -> int | None:
+    """A linear layer's input width (``weight``'s last dim, global): what a
+    ``RowwiseParallel`` input sharded on its last dim adds up to."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, torch.nn.Linear) and weight is not None and weight.ndim == 2:
+        return int(weight.shape[1])
+    return None
 
 
 def _style_output(original: Any) -> Any:
