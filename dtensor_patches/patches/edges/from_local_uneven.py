@@ -61,17 +61,6 @@ def _chunk_sizes(total: int, parts: int) -> list[int]:
     return [max(0, min(step, total - k * step)) for k in range(parts)]
 
 
-def _contiguous_stride(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
-    """Strides of a dense tensor of ``shape`` whose dims are laid out in ``order`` (outermost
-    first), as the local tensor is."""
-    stride = [0] * len(shape)
-    step = 1
-    for dim in reversed(order):
-        stride[dim] = step
-        step *= max(int(shape[dim]), 1)
-    return tuple(stride)
-
-
 def global_shape_and_stride(
     local: torch.Tensor, mesh: Any, placements: Sequence[Any]
 ) -> tuple[torch.Size, tuple[int, ...]]:
@@ -127,8 +116,7 @@ def global_shape_and_stride(
             + ". Give each rank torch.chunk's part of the global tensor (or pad), or pass "
             "shape= and stride= yourself"
         )
-    order = sorted(range(ndim), key=lambda d: (-local.stride(d), d))
-    return torch.Size(shape), _contiguous_stride(shape, order)
+    return torch.Size(shape), _local_boundaries.stride_like(local, shape)
 
 
 def _acts_on(mesh: Any, placements: Sequence[Any] | None) -> bool:
