@@ -283,3 +283,44 @@ def test_local_map_output_of_odd_length(pool2: RankPool, length: int) -> None:
     for row in pool2.run(_local_map_case, length):
         assert row["spec"] is None, row["spec"]
         torch.testing.assert_close(row["full"], logits.log_softmax(-1).amax(-1))
+
+
+def _uneven_features_case() -> dict[str, Any]:
+    """A ``ColwiseParallel`` linear of 5 output features feeding a ``RowwiseParallel`` one on
+    2 ranks (local widths 3 and 2): torch took the rowwise input to be 6 wide and failed in
+    ``mm``; its width is the linear's ``in_features``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import dtensor_patches
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    with dtensor_patches.patched():
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        y = model(_features())
+        y.square().sum().backward()
+        return {
+            "y": y.detach(),
+            "grads": [p.grad.full_tensor() for p in model.parameters()],
+        }
+
+
+def _features() -> torch.Tensor:
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+
+
+def test_rowwise_after_colwise_of_uneven_width(pool2: RankPool) -> None:
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    y = ref(_features())
+    y.square().sum().backward()
+    for row in pool2.run(_uneven_features_case):
+        torch.testing.assert_close(row["y"], y.detach())
+        for got, param in zip(row["grads"], ref.parameters(), strict=True):
+            torch.testing.assert_close(got, param.grad)
