@@ -141,7 +141,7 @@ def same_on_every_rank(op: Any, tensor: torch.Tensor, mesh: Any) -> None:
         RankLocalCallError: another rank made another call, or none within
             ``DTENSOR_PATCHES_RANK_CHECK_TIMEOUT`` seconds.
     """
-    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    ranks = scalar_reads.mesh_ranks(mesh)
     if len(ranks) < 2 or not dist.is_initialized():
         return
     version = _version(tensor)

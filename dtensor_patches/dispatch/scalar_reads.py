@@ -54,6 +54,7 @@ __all__ = [
     "RANK_CHECK_TIMEOUT_ENV",
     "check_same_call",
     "gather_if_same_call",
+    "mesh_ranks",
     "read_partial_scalar",
     "side_group",
 ]
@@ -283,22 +284,17 @@ def check_same_call(op: Any, leaves: list[Any]) -> None:
             ``DTENSOR_PATCHES_RANK_CHECK_TIMEOUT`` seconds; nothing was gathered.
     """
     mesh = leaves[0].device_mesh
-    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    ranks = mesh_ranks(mesh)
     if len(ranks) < 2 or not dist.is_initialized():
         return
-    site = _call_site()
-    parts = [site, str(op), str(mesh.mesh.tolist())]
+    parts = [str(op), str(mesh.mesh.tolist())]
     parts += [f"{tuple(x.shape)}{x.dtype}{tuple(x.placements)}" for x in leaves]
-    mine = torch.tensor([_fingerprint(parts)], dtype=torch.int64)
-    _gathered_if_same(
-        ranks,
-        mine,
-        site,
-        what=f"{op} on gathered inputs",
-        noun="call",
-        advice=_CALL_ADVICE,
-        error=RankLocalCallError,
-    )
+    gather_if_same_call(ranks, parts, [], what=f"{op} on gathered inputs", advice=_CALL_ADVICE)
+
+
+def mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    """Every global rank of ``mesh``, sorted (the ranks of its side group)."""
+    return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
 
 
 def gather_if_same_call(
