@@ -19,7 +19,7 @@ from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches._torch.versions import release_of, torch_release
 from dtensor_patches.calls import CallPredicate, needs_sharded_inputs
 from dtensor_patches.dispatch import registration
-from dtensor_patches.dispatch.handler import Handler, LossParallelHandler
+from dtensor_patches.dispatch.handler import ContextParallelHandler, Handler, LossParallelHandler
 from dtensor_patches.dispatch.miss_rules import MissRule
 from dtensor_patches.dispatch.registration import Registration
 from dtensor_patches.dispatch.strategy import Strategy
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REGISTRY_LOCK",
+    "ContextParallelHandler",
     "Handler",
     "LossParallelHandler",
     "MissRule",

@@ -55,7 +55,11 @@ class ValueConfig:
             (``Qwen2Config`` / ``LlamaConfig``). Dropout is always forced to 0.
         model_path: local directory with a ``transformers`` checkpoint (causal LM, base model
             or a token-classification export from :meth:`ValueWorker.export_hf`). No downloads.
-        dp: data-parallel degree (FSDP2 sharding); ``dp * tp`` must equal the world size.
+        dp: data-parallel degree (FSDP2 sharding); ``dp * cp * tp`` must equal the world size.
+        cp: context-parallel degree: each micro-batch's sequence is split over ``cp`` ranks
+            (head-tail load balanced, :mod:`ppo_value.context_parallel`); attention gathers keys
+            and values over them. Needs ``attn_implementation="sdpa"``. With ``cp > 1`` FSDP2
+            shards parameters over cp and replicates them over dp (HSDP on ``(dp, cp)``).
         tp: tensor-parallel degree; must divide the attention and key/value head counts.
         sequence_parallel: with ``tp > 1``, shard activations along the sequence between TP
             blocks (sequence lengths that are not a multiple of ``tp`` are padded and trimmed);
@@ -97,6 +101,7 @@ class ValueConfig:
     model_config: Mapping[str, Any] = field(default_factory=tiny_model_config)
     model_path: str | None = None
     dp: int = 1
+    cp: int = 1
     tp: int = 1
     sequence_parallel: bool = True
     micro_batch_size: int = 4
@@ -129,7 +134,7 @@ class ValueConfig:
             raise ValueError(
                 f"model_family must be one of {SUPPORTED_FAMILIES}, got {self.model_family!r}"
             )
-        for name in ("dp", "tp", "micro_batch_size"):
+        for name in ("dp", "cp", "tp", "micro_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -147,6 +152,11 @@ class ValueConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.cp > 1 and self.attn_implementation != "sdpa":
+            raise ValueError(
+                f"cp={self.cp} needs attn_implementation='sdpa' (context parallelism gathers keys "
+                f"and values and runs SDPA with a mask), got {self.attn_implementation!r}"
+            )
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {self.backend!r}")
         object.__setattr__(self, "model_config", dict(self.model_config))
@@ -154,8 +164,8 @@ class ValueConfig:
 
     @property
     def world_size(self) -> int:
-        """Number of ranks the config needs: ``dp * tp``."""
-        return self.dp * self.tp
+        """Number of ranks the config needs: ``dp * cp * tp``."""
+        return self.dp * self.cp * self.tp
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ValueConfig:

@@ -1,6 +1,7 @@
 """``python -m ppo_value.demo``: train the critic on a verifiable arithmetic task.
 
-A Ray group of ``dp * tp`` CPU workers (default dp=2 x tp=2 with sequence parallelism) trains
+A Ray group of ``dp * cp * tp`` CPU workers (default dp=2 x tp=2 with sequence parallelism;
+``--cp 2`` splits each sequence over 2 context-parallel ranks as well) trains
 the value model on rollouts of :class:`ppo_value.task.ArithmeticTask` (reward 1 only for a
 correct sum) from a random answer generator. Each step: sample rollouts, ``get_values``
 (old values), GAE returns, ``--ppo-epochs`` ``train`` steps on that batch (the value clip
@@ -63,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=10, help="held-out EV every N steps")
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each sequence split over cp ranks (default 1)",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument(
         "--ppo-epochs", type=int, default=2, help="train steps per rollout batch (value clip)"
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         model_config=_model_config(task.vocab_size),
         dp=args.dp,
         tp=args.tp,
+        cp=args.cp,
         micro_batch_size=args.micro_batch_size,
         lr=args.lr,
         warmup_steps=5,
@@ -255,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     train_s = time.perf_counter() - t0
     title = (
         f"PPO critic: Qwen2 ({config.model_config['num_hidden_layers']} layers, hidden "
-        f"{config.model_config['hidden_size']}), dp={args.dp} x tp={args.tp} + SP, "
+        f"{config.model_config['hidden_size']}), dp={args.dp} x cp={args.cp} x tp={args.tp} + SP, "
         f"{args.steps} steps, seed {args.seed}"
     )
     save_plot(history, evals, out / "critic_curve.png", title)

@@ -80,6 +80,7 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **attention_kwargs: Any,
     ) -> torch.Tensor:
         """Raw (unshifted) token values.
 
@@ -88,6 +89,9 @@ class ValueModel(nn.Module):
             attention_mask: ``[B, S]`` 0/1 (1 = real token), ``None`` for all ones, or a 4-D
                 mask that ``transformers`` uses as-is (packed rows, :mod:`ppo_value.packing`).
             position_ids: ``[B, S]`` int64 positions; ``None`` means ``0..S-1``.
+            attention_kwargs: passed to every attention layer (``cp_shard`` under context
+                parallelism, :mod:`ppo_value.context_parallel`); ``attention_mask`` may then
+                be ``transformers``' per-layer-type mapping of ready masks.
 
         Returns:
             ``[B, S]`` float32 plain tensor; ``out[:, t]`` is the value of the state after
@@ -99,6 +103,7 @@ class ValueModel(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **attention_kwargs,
         )
         hidden = out.last_hidden_state.float()
         values = self.score(hidden)

@@ -57,23 +57,29 @@ __all__ = [
 ]
 
 
-def build_mesh(dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
-    """A 2-D mesh named ``("dp", "tp")`` over the default process group.
+def build_mesh(dp: int, tp: int, device_type: str = "cpu", *, cp: int = 1) -> DeviceMesh:
+    """A 2-D mesh named ``("dp", "tp")`` over the default process group, or with ``cp > 1`` a
+    3-D mesh ``("dp", "cp", "tp")``.
 
-    Rank ``r`` sits at ``(r // tp, r % tp)``: consecutive ranks share a dp index (one TP group).
+    Rank ``r`` sits at ``(r // tp, r % tp)`` (``(r // (cp * tp), r // tp % cp, r % tp)``):
+    consecutive ranks form a TP group, then CP groups, then dp.
 
     Raises:
-        ValueError: if the process group is not initialised or ``dp * tp`` differs from its
-            world size.
+        ValueError: if the process group is not initialised or ``dp * cp * tp`` differs from
+            its world size.
     """
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise ValueError("torch.distributed is not initialised; call init_process_group first")
     world = dist.get_world_size()
-    if dp * tp != world:
-        raise ValueError(f"dp * tp = {dp} * {tp} = {dp * tp} does not match world size {world}")
-    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    if dp * cp * tp != world:
+        raise ValueError(
+            f"dp * cp * tp = {dp} * {cp} * {tp} = {dp * cp * tp} does not match world size {world}"
+        )
+    if cp == 1:
+        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
 
 
 def _check_tp_divisibility(model: ValueModel, tp: int) -> None:
@@ -207,14 +213,18 @@ def parallelize_value_model(
     sequence_parallel: bool = True,
 ) -> ValueModel:
     """TP over ``mesh["tp"]`` when its size is > 1 (with sequence parallelism unless
-    ``sequence_parallel=False``), then FSDP2 over ``mesh["dp"]``.
+    ``sequence_parallel=False``), then FSDP2 over ``mesh["dp"]``; on a mesh with a ``"cp"`` dim,
+    HSDP over ``mesh["dp", "cp"]`` (parameters sharded over cp, replicated over dp: every cp
+    rank computes gradients of the whole model from its part of the sequence).
 
     Returns the same (now sharded) module. ``tp == 1`` skips TP; ``dp == 1`` still wraps with
     FSDP2 (a no-op shard) so the code path is uniform.
     """
     if mesh["tp"].size() > 1:
         apply_tp_sp(model, mesh["tp"], sequence_parallel=sequence_parallel)
-    apply_fsdp(model, mesh["dp"], mixed_precision=mixed_precision)
+    names = mesh.mesh_dim_names or ()
+    fsdp_mesh = mesh["dp", "cp"] if "cp" in names else mesh["dp"]
+    apply_fsdp(model, fsdp_mesh, mixed_precision=mixed_precision)
     return model
 
 

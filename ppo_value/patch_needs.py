@@ -1,21 +1,29 @@
 """Which ``dtensor_patches`` patches the critic's own path needs, and what to do when
 ``apply_all()`` could not apply some.
 
-:data:`CRITIC_PATCHES` was found by recording every aten op that received a DTensor (a
-``TorchDispatchMode`` around the calls) while a :class:`~ppo_value.worker.ValueWorker` ran
-``get_values``, two ``train`` steps (AdamW, clipping), ``save_checkpoint``,
-``load_checkpoint`` and ``full_state_dict`` on dp=2 x tp=2 + SP, dp=2 x tp=2 without SP,
-dp=4, and dp=2 x tp=2 with mixed precision, on torch 2.9.1 and 2.13.0 (same op set on both),
-and keeping each registered patch whose ``ops`` include one of them:
+:data:`CRITIC_PATCHES` is recorded by a script, ``python -m tools.critic_patch_needs``: on 4 CPU
+ranks a ``TorchDispatchMode`` records every aten op that receives a DTensor while a
+:class:`~ppo_value.worker.ValueWorker` runs ``get_values``, two ``train`` steps (AdamW,
+clipping), ``save_checkpoint``, ``load_checkpoint`` and ``full_state_dict`` on every layout the
+critic has (TP + SP, TP without SP, dp only, mixed precision, packing, activation
+checkpointing with token budgets, context parallelism with and without TP), and keeps each
+registered patch whose ``ops`` include one of them. CI re-records it
+(``tests/ppo_value/test_patch_needs.py``) and fails when this set is stale. Recorded on torch
+2.13.0 (issue 22):
 
 - ``inplace_writes``: ``add_``, ``mul_``, ``addcmul_``, ``addcdiv_``, ``lerp_`` (AdamW,
   gradient accumulation), ``copy_`` (loading state dicts);
+- ``full_state_dict``: ``copy_`` of full tensors into sharded parameters (checkpoint loading);
 - ``partial_add_scalar``: ``add.Tensor`` (residual stream, value head bias);
 - ``partial_int_cast``: ``_to_copy`` (``.float()`` of hidden states, dtype casts);
+- ``partial_item``: ``_local_scalar_dense`` (``.item()`` of the grad norm);
 - ``mean_uneven``: ``mean.dim`` (RMSNorm);
-- ``stack_dim``: ``stack`` (``clip_grad_norm_``'s total norm).
+- ``mask_partial_reduced_first`` and ``tp_tied_weights``: ``embedding`` /
+  ``embedding_dense_backward`` (the vocab-sharded embedding under TP);
+- ``t_of_vector``: ``t`` (the linear layers' weights).
 
-Re-run that recording when the model families, the parallel plan or the optimizer change.
+The grad norm no longer stacks per-tensor norms (``dtensor_patches.grad_norm``), so
+``stack_dim`` left the set.
 """
 
 from __future__ import annotations
@@ -30,7 +38,17 @@ log = logging.getLogger(__name__)
 
 #: Patches whose ops the critic runs on DTensors (see the module docstring for how found).
 CRITIC_PATCHES: frozenset[str] = frozenset(
-    {"inplace_writes", "mean_uneven", "partial_add_scalar", "partial_int_cast", "stack_dim"}
+    {
+        "full_state_dict",
+        "inplace_writes",
+        "mask_partial_reduced_first",
+        "mean_uneven",
+        "partial_add_scalar",
+        "partial_int_cast",
+        "partial_item",
+        "t_of_vector",
+        "tp_tied_weights",
+    }
 )
 
 # Failed patches already reported in this process: the warning is given once, not per worker.

@@ -1,9 +1,9 @@
 """The value worker as a Ray actor, and a group of them forming one process group.
 
-:class:`ValueWorkerGroup` starts ``dp * tp`` actors on a Ray cluster (a local one started with
+:class:`ValueWorkerGroup` starts ``dp * cp * tp`` actors on a Ray cluster (a local one started with
 ``ray.init()`` unless an address is given), sets up the torch process group among them (gloo
 on CPU, nccl on GPU; rank 0's node address and a free port found there), splits a batch along
-dp (every TP rank of a dp group gets the same shard), and gathers results in rank order.
+dp (every CP and TP rank of a dp group gets the same shard), and gathers results in rank order.
 
 A dead actor is reported as :class:`WorkerGroupError` naming the rank; the group is then shut
 down, since the surviving ranks may be blocked in a collective. The same holds for a partial
@@ -92,27 +92,36 @@ class RayValueWorker:
 
 
 def split_batch_for_dp(batch: Mapping[str, torch.Tensor], dp: int) -> list[dict[str, torch.Tensor]]:
-    """Split every ``[B, ...]`` tensor of ``batch`` into ``dp`` equal contiguous shards.
+    """Split every ``[B, ...]`` tensor of ``batch`` into ``dp`` contiguous shards in order.
+
+    Shards differ in size by at most one sequence when ``dp`` does not divide ``B`` (the first
+    ``B % dp`` shards hold one more); the worker evens out the micro-batch counts itself, and
+    its loss is normalised by the global token count, so the update equals the single device.
 
     Raises:
-        ValueError: if tensors disagree on ``B`` or ``B`` is not divisible by ``dp`` (dp ranks
-            must run the same number of micro-batches, or the collectives would hang).
+        ValueError: if tensors disagree on ``B``, ``dp < 1``, or ``B < dp`` (a dp rank would
+            get no sequence at all).
     """
     sizes = {k: int(v.shape[0]) for k, v in batch.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"batch tensors disagree on the batch dimension: {sizes}")
     (n,) = set(sizes.values())
-    if n % dp:
-        raise ValueError(f"batch size {n} is not divisible by dp={dp}")
-    per = n // dp
-    return [{k: v[i * per : (i + 1) * per] for k, v in batch.items()} for i in range(dp)]
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    if n < dp:
+        raise ValueError(f"batch of {n} sequence(s) cannot feed dp={dp} ranks (each needs one)")
+    per, extra = divmod(n, dp)
+    bounds = [0]
+    for i in range(dp):
+        bounds.append(bounds[-1] + per + (1 if i < extra else 0))
+    return [{k: v[bounds[i] : bounds[i + 1]] for k, v in batch.items()} for i in range(dp)]
 
 
 class ValueWorkerGroup:
-    """``config.dp * config.tp`` :class:`RayValueWorker` actors acting as one critic.
+    """``config.dp * config.cp * config.tp`` :class:`RayValueWorker` actors acting as one critic.
 
     Args:
-        config: the worker config (its ``dp * tp`` is the number of actors).
+        config: the worker config (its ``dp * cp * tp`` is the number of actors).
         address: address of an existing Ray cluster; ``None`` starts or joins a local one.
         num_cpus_per_worker: Ray CPUs reserved per actor.
         num_gpus_per_worker: Ray GPUs per actor; ``None`` means 1 if CUDA is available, else 0.
@@ -169,7 +178,13 @@ class ValueWorkerGroup:
         except BaseException:
             self.shutdown()
             raise
-        log.info("value worker group up: %d actors (dp=%d, tp=%d)", world, config.dp, config.tp)
+        log.info(
+            "value worker group up: %d actors (dp=%d, cp=%d, tp=%d)",
+            world,
+            config.dp,
+            config.cp,
+            config.tp,
+        )
 
     # ------------------------------------------------------------------ plumbing
     def _gather(self, refs: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
@@ -253,18 +268,19 @@ class ValueWorkerGroup:
             raise WorkerGroupError("the value worker group is shut down")
         shards = split_batch_for_dp(batch, self.config.dp)
         refs = [ray.put(s) for s in shards]
-        tp = self.config.tp
+        per_dp = self.config.cp * self.config.tp  # ranks of one dp index: its CP and TP groups
         calls = [
-            a.call.remote(method, refs[rank // tp], **kwargs) for rank, a in enumerate(self.actors)
+            a.call.remote(method, refs[rank // per_dp], **kwargs)
+            for rank, a in enumerate(self.actors)
         ]
         return self._gather(calls)
 
     # -------------------------------------------------------------------- API
     def get_values(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``V(s_t)`` ``[B, S]`` float32 for the whole batch (``B`` divisible by dp), in order."""
+        """``V(s_t)`` ``[B, S]`` float32 for the whole batch (any ``B >= dp``), in order."""
         results = self._call_sharded("get_values", batch)
-        tp = self.config.tp
-        return torch.cat([results[d * tp] for d in range(self.config.dp)])
+        per_dp = self.config.cp * self.config.tp
+        return torch.cat([results[d * per_dp] for d in range(self.config.dp)])
 
     def train(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One optimiser step on the whole batch; returns rank 0's (global) metrics."""

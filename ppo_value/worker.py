@@ -32,6 +32,7 @@ from ppo_value._batch import INFER_KEYS, TRAIN_KEYS, check_batch, check_micro_ba
 from ppo_value.activation_checkpointing import enable_activation_checkpointing
 from ppo_value.alignment import RightShiftLossWrapper, right_shift_values
 from ppo_value.config import ValueConfig
+from ppo_value.context_parallel import SequenceShard, gather_sequence, register_attention
 from ppo_value.grad_norm import clip_grad_norm_flat
 from ppo_value.losses import ClippedValueLoss
 from ppo_value.metrics import ValueStats
@@ -78,7 +79,8 @@ class ValueWorker:
                 bind_to_gpu_numa_node(self.device)
         else:
             self.device = torch.device("cpu")
-        self.mesh = build_mesh(config.dp, config.tp, self.device.type)
+        self.mesh = build_mesh(config.dp, config.tp, self.device.type, cp=config.cp)
+        self.cp_group = self.mesh["cp"].get_group() if config.cp > 1 else None
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.dp_group = self.mesh["dp"].get_group()
@@ -86,6 +88,8 @@ class ValueWorker:
         self.hf_config = model.config
         self.pad_token_id = int(model.config.pad_token_id or 0)
         self.vocab_size = int(model.config.vocab_size)
+        if config.cp > 1:
+            self._use_cp_attention(model)
         if config.activation_checkpointing:
             enable_activation_checkpointing(model.model.layers)
         self.model: ValueModel = parallelize_value_model(
@@ -145,29 +149,62 @@ class ValueWorker:
 
     @property
     def _sp_multiple(self) -> int:
-        """Sequence lengths must be a multiple of this: the TP degree under SP, else 1."""
-        return self.config.tp if self.config.sequence_parallel else 1
+        """Sequence lengths must be a multiple of this: the TP degree under SP, else 1; under
+        CP ``2 * cp`` times that (``2 * cp`` equal chunks, each rank's two a multiple of it)."""
+        sp = self.config.tp if self.config.sequence_parallel else 1
+        return sp * 2 * self.config.cp if self.config.cp > 1 else sp
 
-    def _check_dp_batch(self, batch_size: int, micro: int) -> None:
-        n_micro = math.ceil(batch_size / micro)
-        hi, neg_lo = self._dp_all_reduce([n_micro, -n_micro], dist.ReduceOp.MAX)
-        if hi != -neg_lo:
-            raise ValueError(
-                "data-parallel ranks got different numbers of micro-batches "
-                f"({int(-neg_lo)}..{int(hi)}); give every dp rank the same batch size"
-            )
+    @staticmethod
+    def _use_cp_attention(model: ValueModel) -> None:
+        """Switch every attention layer to the CP attention (:mod:`ppo_value.context_parallel`).
+
+        Raises:
+            ValueError: a layer type other than full causal attention (a sliding window would
+                need its own mask).
+        """
+        kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise ValueError(f"cp > 1 supports full causal attention layers only, got {kinds}")
+        model.model.set_attn_implementation(register_attention())
+
+    def _cp_values(
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Raw values ``[b, T]`` of ``[b, T]`` rows computed context-parallel: this rank runs
+        its head-tail columns, attention sees every rank's keys through the mask of
+        ``valid`` keys (and ``segment_ids`` documents), and the values come back in the global
+        order on every CP rank (so the shift reads across CP chunks)."""
+        dtype = torch.bfloat16 if self.config.mixed_precision else torch.float32
+        shard = SequenceShard.build(self.cp_group, valid, segment_ids, dtype)
+        if position_ids is None:
+            position_ids = torch.arange(shard.length, device=self.device).expand_as(input_ids)
+        local = self.model(
+            shard.local(input_ids),
+            {"full_attention": None},  # the CP attention builds its masks (per layer, per chunk)
+            shard.local(position_ids),
+            cp_shard=shard,
+        )
+        return gather_sequence(local, shard, dim=1)
 
     def _micro_batches(self, batch: Mapping[str, torch.Tensor], micro: int) -> list[list[int]]:
         """Sequence indices of each micro-batch; the same count on every dp rank.
 
         Fixed size (``micro`` sequences) unless ``config.max_tokens_per_micro_batch`` is set;
-        token-budget plans are split or padded with empty micro-batches to the dp maximum.
+        token-budget plans are split or padded with empty micro-batches to the dp maximum. dp
+        ranks may hold different numbers of sequences (a batch that dp does not divide): the
+        ranks with fewer micro-batches run empty ones (zero-weight passes that keep FSDP2's
+        collectives in step); the loss is normalised by the global token count either way.
         """
         batch_size = int(batch["input_ids"].shape[0])
         budget = self.config.max_tokens_per_micro_batch
         if budget is None:
-            self._check_dp_batch(batch_size, micro)
-            return batching.fixed_size_micro_batches(batch_size, micro)
+            fixed = batching.fixed_size_micro_batches(batch_size, micro)
+            (target,) = self._dp_all_reduce([len(fixed)], dist.ReduceOp.MAX)
+            return fixed + [[] for _ in range(int(target) - len(fixed))]
         packed = self.config.sequence_packing
         lengths = batching.sequence_lengths(batch["attention_mask"], packed=packed)
         try:
@@ -199,7 +236,9 @@ class ValueWorker:
             self._sp_multiple,
             self.pad_token_id,
         )
-        raw = self.model(ids, mask)[:, :seq]
+        raw = (self._cp_values(ids, mask) if self.cp_group is not None else self.model(ids, mask))[
+            :, :seq
+        ]
         return torch.nn.functional.pad(raw, (0, width - extent)) if extent < width else raw
 
     def _packed_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -223,7 +262,11 @@ class ValueWorker:
             multiple=self._sp_multiple,
             pad_token_id=self.pad_token_id,
         ).to(self.device)
-        raw = self.model(packed.input_ids, packed.attention_mask(impl), packed.position_ids)
+        if self.cp_group is not None:
+            valid = torch.ones_like(packed.input_ids)  # a padding tail is a segment of its own
+            raw = self._cp_values(packed.input_ids, valid, packed.position_ids, packed.segment_ids)
+        else:
+            raw = self.model(packed.input_ids, packed.attention_mask(impl), packed.position_ids)
         return packed.unpack(packed.shift_values(raw))
 
     def _empty_forward(self) -> torch.Tensor:
@@ -256,8 +299,7 @@ class ValueWorker:
                 empty batch, token ids outside ``[0, vocab_size)``, a non-0/1 mask, with
                 ``config.sequence_packing`` an ``attention_mask`` that is not right-padded (a
                 hole or left padding), or a ``micro_batch_size`` that is not a positive int;
-                dp ranks with different numbers of fixed-size micro-batches; a sequence longer
-                than ``max_tokens_per_micro_batch`` on any dp rank. Sequences without any
+                a sequence longer than ``max_tokens_per_micro_batch`` on any dp rank. Sequences without any
                 token are allowed (their values are 0 packed, meaningless padded).
         """
         _, micro = self._checked(batch, INFER_KEYS, micro_batch_size, "get_values")
@@ -308,8 +350,7 @@ class ValueWorker:
                 ``config.sequence_packing`` an ``attention_mask`` that is not right-padded, a
                 NaN/inf ``old_values`` or ``returns`` where ``loss_mask`` is 1 (key and position
                 named), or a ``micro_batch_size`` that is not a positive int; an all-zero
-                ``loss_mask`` over the global batch; dp ranks with different numbers of
-                fixed-size micro-batches; a sequence longer than
+                ``loss_mask`` over the global batch; a sequence longer than
                 ``max_tokens_per_micro_batch`` on any dp rank. Nothing is changed then.
         """
         _, micro = self._checked(batch, TRAIN_KEYS, micro_batch_size, "train")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtensor_patches import state
-from dtensor_patches._torch import attributes, implicit_replication
+from dtensor_patches._torch import attributes, context_parallel, implicit_replication
 from dtensor_patches._torch.access import ABSENT, attribute, internal, module, moved
 from dtensor_patches._torch.dtensors import dtensor_class
 from dtensor_patches._torch.versions import dispatches_in_cpp
@@ -130,6 +130,8 @@ class Tables(Mapping[str, Table]):
 
     - ``"propagator.<attr>"`` / ``"dispatcher.<attr>"``: DTensor's op tables (:data:`OP_TABLES`);
     - :data:`LOSS_PARALLEL_HANDLERS`;
+    - ``context_parallel()``'s handler dict
+      (:data:`~dtensor_patches._torch.context_parallel.CONTEXT_PARALLEL_HANDLERS`);
     - the C++ implicit-replication flag of the calling thread
       (:data:`~dtensor_patches._torch.implicit_replication.CPP_FLAG_TABLE`);
     - ``"attributes of <module>"``, ``"attributes of <module>:<Class>"``: an object's own
@@ -144,6 +146,9 @@ class Tables(Mapping[str, Table]):
             return own
         if name == LOSS_PARALLEL_HANDLERS:
             return _loss_parallel_handlers()
+        if name == context_parallel.CONTEXT_PARALLEL_HANDLERS:
+            handlers: Any = context_parallel.handler_table()  # a plain dict: a Table
+            return handlers
         if name == implicit_replication.CPP_FLAG_TABLE:
             return implicit_replication.CppFlagTable()
         if name == DISPATCHER_ATTRIBUTES:
@@ -205,6 +210,12 @@ def _table_names() -> list[str]:
         pass
     else:
         names.append(LOSS_PARALLEL_HANDLERS)
+    try:
+        context_parallel.handler_table()
+    except Exception:  # noqa: BLE001 - a release without context_parallel() has no such table
+        pass
+    else:
+        names.append(context_parallel.CONTEXT_PARALLEL_HANDLERS)
     return names
 
 

@@ -7,7 +7,8 @@ reduction needs a global count), never for a rare case of a common op (use a mis
 
 ``loss_parallel()`` keeps a handler table of its own that it installs on entering its block:
 :class:`LossParallelHandler` replaces an entry of that table, so only calls inside the block
-change.
+change. ``context_parallel()`` does the same with its ring-attention handlers:
+:class:`ContextParallelHandler` adds an entry there, so only calls inside its block change.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dtensor_patches._torch import context_parallel
 from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.access import moved
 from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches.ledger import EntryKey
 
-__all__ = ["Handler", "HandlerFn", "LossParallelHandler"]
+__all__ = ["ContextParallelHandler", "Handler", "HandlerFn", "LossParallelHandler"]
 
 HandlerFn = Callable[[Any, tuple[Any, ...], dict[str, Any]], object]
 """``handler(op_call, args, kwargs) -> output``."""
@@ -90,3 +92,36 @@ class LossParallelHandler:
                 f"loss_parallel() has no handler for {self.op}",
             )
         table[op] = self.make(current)
+
+
+@dataclass(frozen=True)
+class ContextParallelHandler:
+    """Add ``fn`` as ``context_parallel()``'s handler for ``op``: DTensor routes ``op`` to it
+    only inside a ``context_parallel()`` block (entered after the install), at no cost outside.
+
+    Raises (at install):
+        PatchError: torch's context parallelism moved, or it already has a handler for ``op``
+            (then torch serves the op itself and the patch is not needed).
+    """
+
+    op: str
+    fn: HandlerFn
+    kind: ClassVar[str] = "context_parallel() handler"
+
+    @property
+    def concerns(self) -> tuple[str, ...]:
+        return (self.op,)
+
+    def entries(self) -> Sequence[EntryKey]:
+        return [(context_parallel.CONTEXT_PARALLEL_HANDLERS, resolve_op(self.op))]
+
+    def install(self) -> None:
+        context_parallel.check()
+        table = torch_tables.tables()[context_parallel.CONTEXT_PARALLEL_HANDLERS]
+        op = resolve_op(self.op)
+        if table.get(op) is not None:
+            raise moved(
+                f"{context_parallel.attention_module().__name__}.custom_ops",
+                f"context_parallel() already has a handler for {self.op}",
+            )
+        table[op] = self.fn

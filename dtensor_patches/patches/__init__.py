@@ -45,7 +45,7 @@ from dtensor_patches.patches.losses import (
     loss_parallel_keeps_patches,
     nll_loss,
 )
-from dtensor_patches.patches.nn import conv_layouts, mv, sdpa_cpu
+from dtensor_patches.patches.nn import context_parallel_cpu, conv_layouts, mv, sdpa_cpu
 from dtensor_patches.patches.parallel_styles import tp_tied_weights
 from dtensor_patches.patches.pointwise import (
     activations,
@@ -131,6 +131,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         order_stats.PATCH,
         flip_roll.PATCH,
         sdpa_cpu.PATCH,
+        context_parallel_cpu.PATCH,
         unfold.PATCH,
         elementwise_strategies.PATCH,
         isin_searchsorted.PATCH,

@@ -18,13 +18,16 @@ from ppo_value.worker import ValueWorker
 from tests.ppo_value.reference import reference_train_step, reference_values
 
 
-def dp_slice(batch: dict[str, torch.Tensor], dp: int, tp: int) -> dict[str, torch.Tensor]:
-    """This rank's share of ``batch`` (rank r has dp index r // tp)."""
-    rank = dist.get_rank()
-    dp_idx = rank // tp
+def dp_slice(
+    batch: dict[str, torch.Tensor], dp: int, tp: int, cp: int = 1
+) -> dict[str, torch.Tensor]:
+    """This rank's share of ``batch`` (rank r has dp index r // (cp * tp)); when dp does not
+    divide the batch, the first ``B % dp`` dp ranks get one sequence more."""
+    dp_idx = dist.get_rank() // (cp * tp)
     n = next(iter(batch.values())).shape[0]
-    per = n // dp
-    return {k: v[dp_idx * per : (dp_idx + 1) * per] for k, v in batch.items()}
+    sizes = [n // dp + (1 if i < n % dp else 0) for i in range(dp)]
+    start = sum(sizes[:dp_idx])
+    return {k: v[start : start + sizes[dp_idx]] for k, v in batch.items()}
 
 
 def values_vs_reference(cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor]) -> float:
@@ -32,10 +35,10 @@ def values_vs_reference(cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor]
     torch.set_num_threads(1)
     cfg = ValueConfig.from_dict(cfg_dict)
     worker = ValueWorker(cfg)
-    local = dp_slice(batch, cfg.dp, cfg.tp)
+    local = dp_slice(batch, cfg.dp, cfg.tp, cfg.cp)
     got = worker.get_values(local)
-    ref_full = reference_values(build_value_model(cfg), batch)
-    ref = dp_slice({"v": ref_full}, cfg.dp, cfg.tp)["v"]
+    ref_full = reference_values(build_value_model(cfg.replace(cp=1)), batch)
+    ref = dp_slice({"v": ref_full}, cfg.dp, cfg.tp, cfg.cp)["v"]
     mask = local["attention_mask"].bool()
     return float((got - ref).abs()[mask].max())
 
@@ -52,9 +55,11 @@ def train_vs_reference(
     cfg = ValueConfig.from_dict(cfg_dict)
     worker = ValueWorker(cfg)
     before = worker.full_state_dict()
-    metrics = worker.train(dp_slice(batch, cfg.dp, cfg.tp), micro_batch_size=micro_batch_size)
+    metrics = worker.train(
+        dp_slice(batch, cfg.dp, cfg.tp, cfg.cp), micro_batch_size=micro_batch_size
+    )
     after = worker.full_state_dict()
-    ref_model = build_value_model(cfg)
+    ref_model = build_value_model(cfg.replace(cp=1))
     ref_metrics = reference_train_step(ref_model, cfg, batch)
     ref_sd = ref_model.state_dict()
     weight_diff = max(float((after[k] - ref_sd[k]).abs().max()) for k in ref_sd)
@@ -252,13 +257,14 @@ def nonfinite_step(cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor]) -> 
     }
 
 
-def uneven_dp_batch(cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
-    """dp rank 0 gets one sequence more than the others: must raise, not hang."""
+def uneven_dp_batch(cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor]) -> list[int]:
+    """dp rank 0 gets one sequence more than the others; returns the values' shape."""
     torch.set_num_threads(1)
     cfg = ValueConfig.from_dict(cfg_dict)
     worker = ValueWorker(cfg)
     n = 3 if dist.get_rank() // cfg.tp == 0 else 2
-    worker.get_values({k: v[:n] for k, v in batch.items()}, micro_batch_size=1)
+    values = worker.get_values({k: v[:n] for k, v in batch.items()}, micro_batch_size=1)
+    return list(values.shape)
 
 
 def mixed_precision_run(cfg_dict: dict[str, Any], batch: dict[str, torch.Tensor]) -> dict[str, Any]:

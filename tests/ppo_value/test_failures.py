@@ -202,11 +202,11 @@ def test_sequence_parallel_flag_is_honoured(
 # ---------------------------------------------------------------- patch report (item 9)
 def test_worker_refuses_to_build_when_a_needed_patch_failed(pool: RankPool) -> None:
     outcomes = pool.run(
-        rf.worker_with_failed_patch, _cfg(dp=2, tp=1, model_config=ONE_LAYER), "stack_dim"
+        rf.worker_with_failed_patch, _cfg(dp=2, tp=1, model_config=ONE_LAYER), "partial_item"
     )
     exc_type, message = _same_error_everywhere(outcomes)
     assert exc_type == "PatchRequirementError"
-    assert "stack_dim: torch moved an internal (injected)" in message
+    assert "partial_item: torch moved an internal (injected)" in message
 
 
 def test_worker_builds_when_an_unneeded_patch_failed(pool: RankPool) -> None:

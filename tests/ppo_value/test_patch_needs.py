@@ -40,9 +40,9 @@ def test_this_torchs_report_passes(report: Report, caplog: pytest.LogCaptureFixt
 
 
 def test_a_failed_needed_patch_is_an_error_naming_it(report: Report) -> None:
-    bad = _with_failures(report, {"stack_dim": "torch moved X", "nansum": "torch moved Y"})
+    bad = _with_failures(report, {"partial_item": "torch moved X", "nansum": "torch moved Y"})
     with pytest.raises(
-        PatchRequirementError, match=r"1 patch\(es\).*stack_dim: torch moved X"
+        PatchRequirementError, match=r"1 patch\(es\).*partial_item: torch moved X"
     ) as e:
         check_patch_report(bad)
     assert "nansum" not in str(e.value)
@@ -69,3 +69,17 @@ def test_warning_is_held_back_where_warn_is_false(
     with caplog.at_level(logging.WARNING, logger="ppo_value.patch_needs"):
         check_patch_report(bad, warn=False)  # rank != 0
     assert not caplog.records
+
+
+@pytest.mark.slow
+def test_recorded_needs_match_critic_patches() -> None:
+    """A real run of every worker layout (``python -m tools.critic_patch_needs``) records the
+    DTensor ops the critic runs; the patches covering them are exactly ``CRITIC_PATCHES``."""
+    from tools.critic_patch_needs import record
+
+    needed, ops = record()
+    assert "aten.add.Tensor" in ops and "aten.embedding.default" in ops
+    assert needed == CRITIC_PATCHES, (
+        sorted(needed - CRITIC_PATCHES),
+        sorted(CRITIC_PATCHES - needed),
+    )

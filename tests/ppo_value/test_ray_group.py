@@ -24,8 +24,11 @@ def test_split_batch_for_dp() -> None:
     shards = split_batch_for_dp(batch, 3)
     assert [s["a"].flatten().tolist() for s in shards] == [[0, 1], [2, 3], [4, 5]]
     assert shards[2]["b"].flatten().tolist() == [40, 50]
-    with pytest.raises(ValueError, match="not divisible"):
-        split_batch_for_dp(batch, 4)
+    # 6 over 4 dp ranks: the first 6 % 4 = 2 shards hold one sequence more, order kept
+    uneven = split_batch_for_dp(batch, 4)
+    assert [s["a"].flatten().tolist() for s in uneven] == [[0, 1], [2, 3], [4], [5]]
+    with pytest.raises(ValueError, match="cannot feed dp=7"):
+        split_batch_for_dp(batch, 7)
     with pytest.raises(ValueError, match="disagree"):
         split_batch_for_dp({"a": torch.zeros(2, 1), "b": torch.zeros(3, 1)}, 1)
 
