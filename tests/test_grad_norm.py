@@ -309,6 +309,45 @@ def test_two_d_mesh_and_an_expert_sub_mesh(pool4: RankPool, norm_type: float) ->
         assert r["all_reduces"] == 2, (rank, r)
 
 
+def _dp_ep_beside_dp_tp(norm_type: float) -> dict[str, Any]:
+    """Two separate meshes over the same 4 ranks, as MoE training lays them out: dense layers on
+    a ``(dp, tp)`` mesh ``[[0, 1], [2, 3]]`` (FSDP2 ``Shard`` on dp, TP ``Shard`` or
+    ``Replicate``), experts on a ``(dp, ep)`` mesh ``[[0, 2], [1, 3]]`` (sharded over ep,
+    replicated over that mesh's dp), each element counted once."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import dtensor_patches
+
+    dense_mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    expert_mesh = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp", "ep"))
+    w1, w2, up, down, router = _fulls((4, 6), (6, 4), (4, 6, 3), (4, 3, 6), (4, 6), seed=11)
+    grads = [
+        distribute_tensor(w1, dense_mesh, [Shard(0), Shard(1)]),
+        distribute_tensor(w2, dense_mesh, [Shard(0), Replicate()]),
+        distribute_tensor(up, expert_mesh, [Replicate(), Shard(0)]),
+        distribute_tensor(down, expert_mesh, [Shard(1), Shard(0)]),
+        distribute_tensor(router, dense_mesh, [Replicate(), Replicate()]),
+    ]
+    with _counted_all_reduces() as calls:
+        norm = dtensor_patches.grad_norm(grads, norm_type)
+    return {
+        "norm": float(norm),
+        "expected": _expected([w1, w2, up, down, router], norm_type),
+        "all_reduces": len(calls),
+    }
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+def test_dp_ep_mesh_beside_dp_tp_mesh(pool4: RankPool, norm_type: float) -> None:
+    """Experts on their own (dp, ep) mesh beside dense layers on a (dp, tp) mesh, 4 ranks: the
+    global norm counts every element once. Both meshes span the same 4 ranks, so their sums
+    (replicas weighted down) go in one all-reduce over those ranks."""
+    for rank, r in enumerate(pool4.run(_dp_ep_beside_dp_tp, norm_type)):
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
+        assert r["all_reduces"] == 1, (rank, r)
+
+
 def test_bad_arguments_are_refused() -> None:
     import dtensor_patches
 

@@ -1,5 +1,5 @@
 """NaN/inf guards on DTensors (issue 20): ``isfinite(x).all()``, ``isnan(x).any()`` over one
-dim, several dims or all, ``torch._is_any_true``, over ``Shard`` (uneven too), ``Partial`` and
+dim, several dims or all, ``torch._is_any_true`` / ``torch._is_all_true``, over ``Shard`` (uneven too), ``Partial`` and
 ``Replicate`` tensors, with the only NaN on one rank's part; and autograd anomaly mode on a
 DTensor step. Every answer is compared with the same check on the single device's tensor.
 """
@@ -22,6 +22,7 @@ CHECKS = {
     "isnan_any_dim1": lambda x: torch.isnan(x).any(1),
     "isnan_any_dims_keepdim": lambda x: torch.isnan(x).any(dim=(0, 1), keepdim=True),
     "is_any_true": lambda x: torch.ops.aten._is_any_true.default(torch.isnan(x)),
+    "is_all_true": lambda x: torch.ops.aten._is_all_true.default(torch.isfinite(x)),
 }
 
 

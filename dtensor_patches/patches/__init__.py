@@ -45,7 +45,13 @@ from dtensor_patches.patches.losses import (
     loss_parallel_keeps_patches,
     nll_loss,
 )
-from dtensor_patches.patches.nn import context_parallel_cpu, conv_layouts, mv, sdpa_cpu
+from dtensor_patches.patches.nn import (
+    context_parallel_cpu,
+    conv_layouts,
+    grouped_mm_shards,
+    mv,
+    sdpa_cpu,
+)
 from dtensor_patches.patches.parallel_styles import tp_tied_weights
 from dtensor_patches.patches.pointwise import (
     activations,
@@ -61,6 +67,7 @@ from dtensor_patches.patches.reductions import (
     count_nonzero,
     cumsum_negative_dim,
     dim_reductions,
+    is_all_true,
     is_any_true,
     max_min_indices,
     mean_uneven,
@@ -132,6 +139,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         flip_roll.PATCH,
         sdpa_cpu.PATCH,
         context_parallel_cpu.PATCH,
+        grouped_mm_shards.PATCH,
         unfold.PATCH,
         elementwise_strategies.PATCH,
         isin_searchsorted.PATCH,
@@ -150,6 +158,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         argmax_all.PATCH,
         nansum.PATCH,
         is_any_true.PATCH,
+        is_all_true.PATCH,
         all_over_shards.PATCH,
         all_any_dims.PATCH,
         partial_add_scalar.PATCH,
