@@ -89,6 +89,19 @@ class NativeDecision:
         self._run()
         return self._error
 
+    def release(self) -> None:
+        """Forget where torch's error was raised, once a diverted call makes it moot.
+
+        The error's traceback holds the frame that asked (through ``f_back``, every caller's
+        frame up to the user's code, with their local tensors), and that frame holds this
+        decision: a reference cycle. It kept every tensor of those frames alive until the next
+        garbage collection, and on torch 2.9 the collection cleared the slots of DTensors that
+        autograd had saved (``'DTensor' object has no attribute '_local_tensor'`` in a later
+        backward). The error itself (type, message) stays for the diverted call to use.
+        """
+        if self._error is not None:
+            self._error.__traceback__ = None
+
     def sharding(self) -> OutputSharding | None:
         """torch's ``OutputSharding``, or ``None`` when propagation raised or torch already
         produced the output itself (a CompositeImplicitAutograd decomposition, 2.10+)."""
@@ -126,6 +139,7 @@ def _slow_path(decide: Decide) -> tuple[str, str, Any]:
         native = NativeDecision(lambda: original(op_call, args, kwargs, op_info, try_cache))
         run = decide(op_call, op_info.schema, native)
         if run is not None:
+            native.release()
             return run(op_call, args, kwargs)
         if (
             state.FALLBACK.get("plain_checked")
@@ -157,6 +171,7 @@ def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[st
         native = NativeDecision(lambda: non_cached(op_schema))
         run = decide(op, op_schema, native)
         if run is not None:
+            native.release()
             raise Divert(op, run)
         return native.get()
 
@@ -168,8 +183,7 @@ def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[st
         except Divert as divert:
             if divert.op is not op_call:
                 raise
-            _CURRENT.op = outer
-            return divert.run(op_call, args, kwargs)
+            run = divert.run
         except AssertionError as error:
             if "found no DeviceMesh from dtensor args" not in str(error):
                 raise
@@ -177,6 +191,9 @@ def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[st
             return take_refusal(op_call, args, kwargs, error)
         finally:
             _CURRENT.op = outer
+        # Outside the handler: the diverted call must not run with the Divert (whose
+        # traceback holds every frame of the propagation) as the context of its exceptions.
+        return run(op_call, args, kwargs)
 
     return [
         (PROPAGATOR_ATTRIBUTES, "propagate_op_sharding_non_cached", propagate),
