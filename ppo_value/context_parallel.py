@@ -163,6 +163,11 @@ class SequenceShard:
         """Columns per chunk: ``T / (2 * cp)``."""
         return self.length // (2 * self.cp)
 
+    @property
+    def chunk_starts(self) -> tuple[int, int]:
+        """The first global column of this rank's two chunks (head, then tail)."""
+        return self.rank * self.chunk, (2 * self.cp - 1 - self.rank) * self.chunk
+
     def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's columns of a global ``tensor`` (``T`` along ``dim``)."""
         return tensor.index_select(dim, self.columns.to(tensor.device))
@@ -246,7 +251,7 @@ def _attention(
     value = gather_sequence(value, cp_shard, dim=2)
     chunk = cp_shard.chunk
     outputs = []
-    for i, start in enumerate(cp_shard.columns[::chunk].tolist()):
+    for i, start in enumerate(cp_shard.chunk_starts):  # host integers: no device sync
         end = start + chunk  # this chunk's last key + 1
         rows = slice(i * chunk, (i + 1) * chunk)
         out, _ = sdpa_attention_forward(

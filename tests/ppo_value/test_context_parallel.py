@@ -73,6 +73,7 @@ def test_mask_is_the_single_device_mask_rows() -> None:
     full = (t[None] <= t[:, None]) & (segments[0][:, None] == segments[0][None]) & valid.bool()
     full |= torch.eye(8, dtype=torch.bool)
     assert torch.equal(shard.mask()[0, 0], full[shard.columns])
+    assert shard.chunk_starts == (2, 4) == tuple(shard.columns[:: shard.chunk].tolist())
     assert torch.equal(shard.mask(slice(2, 4), 6)[0, 0], full[shard.columns[2:4], :6])
     additive = dataclasses.replace(shard, mask_dtype=torch.float32).mask()[0, 0]
     assert torch.equal(additive == 0, full[shard.columns])

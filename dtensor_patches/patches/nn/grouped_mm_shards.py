@@ -16,32 +16,39 @@ DTensor expert weights ``w`` ``[E, K, N]``:
 
 Fix (a miss rule on ``aten._grouped_mm.default``, decided once per sharding schema): on each
 mesh dim the inputs' placements select a local computation from the table below, and each
-rank runs the kernel on its local tensors; no collective. ``Shard(0)`` experts: the rank
-takes the rows of its own experts (``offs`` read on the host: two integers), runs them with
-``offs`` made local, and leaves zeros in the other rows, so the output is ``Partial(sum)``;
-the weight gradient (``x.T`` by the output gradient, grouped by ``offs``) is computed only for
-the rank's experts and comes back ``Shard(0)``, like the weight. Other layouts (2-D x 3-D
-``offs`` calls, 3-D x 3-D batched calls): column-wise ``Shard`` of ``N``, row-wise ``Shard``
-of ``K`` (``Partial`` output), batch ``Shard(0)``, ``Partial`` times ``Replicate``. A layout
-outside the table, or a bfloat16 call in a layout torch serves itself, keeps torch's decision.
+rank runs the kernel on its local tensors. ``Shard(0)`` experts: the rank takes the rows of
+its own experts (``offs`` read on the host: two integers), runs them with ``offs`` made local,
+and leaves zeros in the other rows, so the output is ``Partial(sum)``; the weight gradient
+(``x.T`` by the output gradient, grouped by ``offs``) is computed only for the rank's experts
+and comes back ``Shard(0)``, like the weight, when its ``offs`` belong to such a forward
+(remembered per ``offs`` tensor, weakly), else replicated as torch would. A ``Partial`` token
+tensor in an expert layer (the activation of the rows just computed, or its gradient) is
+exact on the rows of the rank's experts: one 1-element all-reduce checks that each rank's
+share is zero elsewhere, and where it is not the tensor is summed first. Other layouts:
+column-wise ``Shard`` of ``N``, row-wise ``Shard`` of ``K`` (``Partial`` output; a replicated
+operand is cut to the matching block first, no collective), batch ``Shard(0)``, ``Partial``
+times ``Replicate``. A layout outside the table, or a bfloat16 call in a layout torch serves
+itself, keeps torch's decision.
 
 Per mesh dim (``x`` = mat1, ``w`` = mat2, ``offs`` replicated):
 
-============  ==================  =====================  ======================
-call          x, w                output                 what each rank does
-============  ==================  =====================  ======================
-2-D x 3-D     R, Shard(0)         Partial                its experts' rows
-2-D x 3-D     R, Shard(2)         Shard(1)               kernel on shards
-2-D x 3-D     Shard(1), Shard(1)  Partial                kernel on shards
-2-D x 2-D     R, R (1-D mesh)     Shard(0)               its experts' blocks
-2-D x 2-D     Shard(0), R         Shard(1)               kernel on shards
-2-D x 2-D     R, Shard(1)         Shard(2)               kernel on shards
-3-D x 3-D     Shard(0), Shard(0)  Shard(0)               kernel on shards
-3-D x 3-D     R, Shard(2)         Shard(2)               kernel on shards
-3-D x 3-D     Shard(1), R         Shard(1)               kernel on shards
-3-D x 3-D     Shard(2), Shard(1)  Partial                kernel on shards
-any           Partial, R / R, P   Partial                kernel on shards
-============  ==================  =====================  ======================
+============  ==================  ==========  ==========================================
+call          x, w                output      what each rank does
+============  ==================  ==========  ==========================================
+2-D x 3-D     R or P, Shard(0)    Partial     its experts' rows (P: checked as owned)
+2-D x 3-D     R, Shard(2)         Shard(1)    kernel on shards
+2-D x 3-D     Shard(1), Shard(1)  Partial     kernel on shards
+2-D x 3-D     R, Shard(1)         Partial     x cut along K, kernel on shards
+2-D x 3-D     Shard(1), R         Partial     w cut along K, kernel on shards
+2-D x 2-D     R or P, R or P      Shard(0)    its experts' blocks (1-D mesh, expert offs)
+2-D x 2-D     Shard(0), R         Shard(1)    kernel on shards
+2-D x 2-D     R, Shard(1)         Shard(2)    kernel on shards
+3-D x 3-D     Shard(0), Shard(0)  Shard(0)    kernel on shards (also R cut to Shard(0))
+3-D x 3-D     R, Shard(2)         Shard(2)    kernel on shards
+3-D x 3-D     Shard(1), R         Shard(1)    kernel on shards
+3-D x 3-D     Shard(2), Shard(1)  Partial     kernel on shards (also R cut to match)
+any           Partial, R / R, P   Partial     kernel on shards
+============  ==================  ==========  ==========================================
 """
 
 from __future__ import annotations
