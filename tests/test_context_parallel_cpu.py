@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtensor_patches import patched
+from dtensor_patches.comm_bytes import CommBytes
 from dtensor_patches.testing import RankPool
 
 
@@ -47,7 +48,8 @@ def _ring_vs_single_device(heads: int, kv: int) -> dict[str, float]:
     ref_grads = torch.autograd.grad((ref * ref).sum(), [wq, wkv])
     local_x = x.clone()
     with patched(), context_parallel(mesh, buffers=[local_x], buffer_seq_dims=[1]):
-        out = _attention(local_x, wq, wkv, heads, kv)
+        with CommBytes() as forward:
+            out = _attention(local_x, wq, wkv, heads, kv)
         grads = torch.autograd.grad((out * out).sum(), [wq, wkv])
     # the layout torch's default (head-tail) load balancer gives this rank
     n, r = dist.get_world_size(), dist.get_rank()
@@ -63,6 +65,9 @@ def _ring_vs_single_device(heads: int, kv: int) -> dict[str, float]:
             for g, e in zip(summed, ref_grads, strict=True)
         ),
         "restored": float(local_x.shape[1] == 16),
+        "forward_bytes": forward.received,
+        # the ring's lower bound: every other rank's keys and values once (after repeat_kv)
+        "kv_bytes": 2 * 2 * heads * 16 * 6 * 4,
     }
 
 
@@ -99,11 +104,14 @@ def _entry_only_inside_the_block() -> list[bool]:
 def test_ring_attention_matches_single_device_2_ranks(pool2: RankPool, heads: int, kv: int) -> None:
     for r in pool2.run(_ring_vs_single_device, heads, kv):
         assert r["out"] < 1e-5 and r["grad"] < 1e-5 and r["restored"] == 1.0
+        # keys and values go round the ring once, nothing else moves (no gather of q or out)
+        assert 0 < r["forward_bytes"] <= r["kv_bytes"], r
 
 
 def test_ring_attention_matches_single_device_4_ranks(pool4: RankPool) -> None:
     for r in pool4.run(_ring_vs_single_device, 4, 2):
         assert r["out"] < 1e-5 and r["grad"] < 1e-5
+        assert 0 < r["forward_bytes"] <= r["kv_bytes"], r
 
 
 def test_attn_mask_is_a_clear_error(pool2: RankPool) -> None:
