@@ -15,8 +15,6 @@ attention kernel as an argument and implement the head-tail load balancing of th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -27,7 +25,6 @@ from dtensor_patches._torch.access import ABSENT, module, moved
 __all__ = [
     "CONTEXT_PARALLEL_HANDLERS",
     "attention_module",
-    "block_guard",
     "handler_table",
     "load_balanced",
     "ring_attention",
@@ -163,32 +160,3 @@ def check() -> None:
     load_balanced()
     _function("_templated_ring_attention")
     _function("_templated_ring_attention_backward")
-
-
-@contextmanager
-def block_guard() -> Iterator[None]:
-    """Undo what a ``context_parallel()`` block left behind when it raised.
-
-    Before 2.12 the block has no ``try/finally``: an exception inside it leaves
-    ``F.scaled_dot_product_attention`` replaced by its ring wrapper and DTensor's handler table
-    replaced by the block's, for the rest of the process. This puts both back as they were on
-    entering.
-
-    Raises:
-        PatchError: ``DTensor._op_dispatcher._custom_op_handlers`` moved.
-    """
-    import torch.nn.functional as F
-
-    from dtensor_patches._torch.access import attribute
-    from dtensor_patches._torch.dtensors import dtensor_class
-
-    dispatcher = attribute(dtensor_class(), "_op_dispatcher", "DTensor._op_dispatcher")
-    sdpa = F.scaled_dot_product_attention
-    handlers = attribute(
-        dispatcher, "_custom_op_handlers", "DTensor._op_dispatcher._custom_op_handlers"
-    )
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = sdpa
-        dispatcher._custom_op_handlers = handlers

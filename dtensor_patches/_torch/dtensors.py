@@ -171,20 +171,6 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, cls: type | None = N
     return klass(local, spec, requires_grad=False)
 
 
-def new_spec(
-    mesh: Any,
-    placements: Iterable[Placement],
-    shape: Sequence[int],
-    stride: Sequence[int],
-    dtype: torch.dtype,
-) -> DTensorSpec:
-    """A ``DTensorSpec`` for a global tensor of ``shape``/``stride``/``dtype`` placed on ``mesh``
-    (``DTensorSpec(mesh, placements, tensor_meta=TensorMeta(...))``, 2.9 to 2.15)."""
-    types = dtensor_types()
-    meta = types.TensorMeta(torch.Size(shape), tuple(stride), dtype)
-    return types.DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
-
-
 def rewrap(dtensor: DTensor, *, cls: type | None = None, local: torch.Tensor | None = None) -> Any:
     """A new DTensor object over ``dtensor``'s local tensor (or ``local``) and spec, without
     autograd history: a plain DTensor view of a DTensor subclass, or a scratch copy."""

@@ -11,6 +11,7 @@ propagation cache is a thread-local LRU; from 2.10 a C++ fast path keeps its own
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "STRATEGY_TABLES",
     "Tables",
     "clear_sharding_caches",
+    "context_parallel_block_guard",
     "custom_op_handlers",
     "has_native_handler",
     "has_native_strategy",
@@ -94,6 +96,30 @@ def custom_op_handlers() -> dict[OpOverload, Callable[..., object]]:
     return attribute(
         op_dispatcher(), "_custom_op_handlers", "DTensor._op_dispatcher._custom_op_handlers"
     )
+
+
+@contextmanager
+def context_parallel_block_guard() -> Iterator[None]:
+    """Undo what a ``context_parallel()`` block left behind when it raised.
+
+    Before 2.12 the block has no ``try/finally``: an exception inside it leaves
+    ``F.scaled_dot_product_attention`` replaced by its ring wrapper and DTensor's handler table
+    (:func:`custom_op_handlers`) replaced by the block's, for the rest of the process. This
+    puts both back as they were on entering.
+
+    Raises:
+        PatchError: ``DTensor._op_dispatcher._custom_op_handlers`` moved.
+    """
+    import torch.nn.functional as F
+
+    dispatcher = op_dispatcher()
+    sdpa = F.scaled_dot_product_attention
+    handlers = custom_op_handlers()
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+        dispatcher._custom_op_handlers = handlers
 
 
 def _op_table(name: str) -> Any:

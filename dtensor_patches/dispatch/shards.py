@@ -21,6 +21,7 @@ __all__ = [
     "partial_shares",
     "shard_of",
     "sharded_result",
+    "stride_like",
 ]
 
 
@@ -36,17 +37,41 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def stride_like(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``shape`` whose dims are laid out in ``local``'s order."""
+    strides = local.stride()
+    order = sorted(range(local.ndim), key=lambda d: (-strides[d], d))
+    stride = [0] * len(shape)
+    step = 1
+    for dim in reversed(order):
+        stride[dim] = step
+        step *= max(int(shape[dim]), 1)
+    return tuple(stride)
+
+
 def sharded_result(
-    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    *,
+    stride: Sequence[int] | None = None,
 ) -> Any:
-    """``local`` as this rank's block of a contiguous DTensor of global ``shape`` placed
-    ``placements`` (``DTensor.from_local`` without checks or communication): how a handler or
-    miss rule returns a result it computed on the shards."""
+    """``local`` as this rank's block of a DTensor of global ``shape`` placed ``placements``
+    (``DTensor.from_local`` without checks or communication): how a handler or miss rule
+    returns a result it computed on the shards. The global stride is contiguous unless
+    ``stride`` is given (a kernel that lays its output out in another dim order:
+    :func:`stride_like`)."""
     from torch.distributed.tensor import DTensor
 
     size = torch.Size(shape)
     return DTensor.from_local(
-        local, mesh, tuple(placements), run_check=False, shape=size, stride=contiguous_stride(size)
+        local,
+        mesh,
+        tuple(placements),
+        run_check=False,
+        shape=size,
+        stride=contiguous_stride(size) if stride is None else tuple(stride),
     )
 
 

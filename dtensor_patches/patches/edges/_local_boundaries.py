@@ -45,13 +45,13 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dtensor_patches._torch.dtensors import local_shape_and_offset
+from dtensor_patches.dispatch.shards import stride_like
 
 __all__ = [
     "boundary",
     "note_built",
     "note_dtensor_inputs",
     "resolve",
-    "stride_like",
     "tag",
 ]
 
@@ -87,17 +87,6 @@ class boundary:
 
     def __exit__(self, *exc: object) -> None:
         _CURRENT.frame = self.outer
-
-
-def stride_like(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
-    """Strides of a dense tensor of ``shape`` whose dims are laid out in ``local``'s order."""
-    order = sorted(range(local.ndim), key=lambda d: (-local.stride(d), d))
-    stride = [0] * len(shape)
-    step = 1
-    for dim in reversed(order):
-        stride[dim] = step
-        step *= max(int(shape[dim]), 1)
-    return tuple(stride)
 
 
 def tag(local: torch.Tensor, mesh: Any, shape: Sequence[int]) -> None:

@@ -42,6 +42,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch.dtensors import holds_real_values
+from dtensor_patches.dispatch.shards import stride_like
 from dtensor_patches.mesh_rows import gather_rows
 from dtensor_patches.patch import Patch, WrappedFunction
 from dtensor_patches.patches.edges import _local_boundaries
@@ -116,7 +117,7 @@ def global_shape_and_stride(
             + ". Give each rank torch.chunk's part of the global tensor (or pad), or pass "
             "shape= and stride= yourself"
         )
-    return torch.Size(shape), _local_boundaries.stride_like(local, shape)
+    return torch.Size(shape), stride_like(local, shape)
 
 
 def _acts_on(mesh: Any, placements: Sequence[Any] | None) -> bool:

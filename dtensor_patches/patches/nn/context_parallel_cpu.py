@@ -32,13 +32,9 @@ import torch.nn.functional as F
 from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch import context_parallel
-from dtensor_patches._torch.dtensors import (
-    is_dtensor,
-    local_tensor,
-    make_dtensor,
-    new_spec,
-    spec_of,
-)
+from dtensor_patches._torch.dtensors import is_dtensor, local_tensor, spec_of
+from dtensor_patches._torch.tables import context_parallel_block_guard
+from dtensor_patches.dispatch.shards import sharded_result, stride_like
 from dtensor_patches.errors import first_line
 from dtensor_patches.patch import ContextParallelHandler, Patch
 from dtensor_patches.reproducers import compare, randn
@@ -78,10 +74,8 @@ def _no_mask(op: str, kwargs: dict[str, Any]) -> None:
 def _sharded_like(local: torch.Tensor, mesh: Any, shape: tuple[int, ...]) -> Any:
     from torch.distributed.tensor import Shard
 
-    from dtensor_patches.patches.edges._local_boundaries import stride_like
-
-    spec = new_spec(mesh, (Shard(2),), shape, stride_like(local, shape), local.dtype)
-    return make_dtensor(local, spec)
+    # the CPU kernel lays its output out as [B, S, H, D]: keep that order in the global stride
+    return sharded_result(local, mesh, [Shard(2)], shape, stride=stride_like(local, shape))
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any) -> Any:
@@ -186,7 +180,7 @@ def reproduce(mesh: Any) -> str | None:
     (expected_grad,) = torch.autograd.grad((expected * expected).sum(), [weights])
     local_x = x.clone()
     try:
-        with context_parallel.block_guard(), cp_block(mesh, buffers=[local_x], buffer_seq_dims=[2]):
+        with context_parallel_block_guard(), cp_block(mesh, buffers=[local_x], buffer_seq_dims=[2]):
             got = attention(local_x)
             got = got.to_local() if is_dtensor(got) else got
             (grad,) = torch.autograd.grad((got * got).sum(), [weights])
