@@ -260,19 +260,19 @@ def _run(plan: list[tuple[str, Slice]]) -> Any:
         m = codes.index(EXPERTS)
         if nd2 == 3:  # forward and input gradient: this rank's experts' rows
             first, count = shard_extent(mat2.shape, mesh, mat2.placements, 0)
-            start, end = _rows(offs_local, first, count)
+            rows = _rows(offs_local, first, count)  # one host read of two ints, once per call
             if mat1.placements[m].is_partial():
-                x = _owned(x, 0, start, end, mesh, m)
-            local = _expert_rows(op_call, x, w, offs_local, first, count, extra)
+                x = _owned(x, 0, *rows, mesh, m)
+            local = _expert_rows(op_call, x, w, offs_local, first, count, rows, extra)
             _EXPERT_OFFS[offs_local] = True
         else:  # weight gradient: this rank's experts' blocks
             first, count = shard_extent(shape, mesh, placements, 0)
-            start, end = _rows(offs_local, first, count)
+            rows = _rows(offs_local, first, count)
             if mat1.placements[m].is_partial():
-                x = _owned(x, 1, start, end, mesh, m)
+                x = _owned(x, 1, *rows, mesh, m)
             if mat2.placements[m].is_partial():
-                w = _owned(w, 0, start, end, mesh, m)
-            local = _expert_blocks(op_call, x, w, offs_local, first, count, extra)
+                w = _owned(w, 0, *rows, mesh, m)
+            local = _expert_blocks(op_call, x, w, offs_local, first, count, rows, extra)
         return sharded_result(local, mesh, placements, shape)
 
     return grouped_mm_on_shards
@@ -322,13 +322,15 @@ def _expert_rows(
     offs: torch.Tensor,
     first: int,
     count: int,
+    rows: tuple[int, int],
     extra: dict[str, Any],
 ) -> torch.Tensor:
-    """``x`` ``[S, K]`` (all rows) by this rank's experts ``w`` ``[count, K, N]``: the rows of
-    its experts computed, the others zero (this rank's share of a ``Partial`` sum)."""
+    """``x`` ``[S, K]`` (all rows) by this rank's experts ``w`` ``[count, K, N]`` (their
+    ``rows`` from :func:`_rows`): the rows of its experts computed, the others zero (this
+    rank's share of a ``Partial`` sum)."""
     dtype = extra.get("out_dtype") or x.dtype
     out = x.new_zeros((x.shape[0], w.shape[-1]), dtype=dtype)
-    start, end = _rows(offs, first, count)
+    start, end = rows
     if count and end > start:
         local_offs = (offs[first : first + count] - start).to(torch.int32)
         out[start:end] = op_call(_aligned(x[start:end]), w, local_offs, **extra)
@@ -342,12 +344,14 @@ def _expert_blocks(
     offs: torch.Tensor,
     first: int,
     count: int,
+    rows: tuple[int, int],
     extra: dict[str, Any],
 ) -> torch.Tensor:
-    """The blocks ``[count, K, N]`` of this rank's experts of ``xt`` ``[K, S]`` by ``g``
-    ``[S, N]`` grouped by ``offs`` (the weight gradient of expert-sharded weights)."""
+    """The blocks ``[count, K, N]`` of this rank's experts (their ``rows`` from :func:`_rows`)
+    of ``xt`` ``[K, S]`` by ``g`` ``[S, N]`` grouped by ``offs`` (the weight gradient of
+    expert-sharded weights)."""
     dtype = extra.get("out_dtype") or xt.dtype
-    start, end = _rows(offs, first, count)
+    start, end = rows
     if not count:
         return xt.new_zeros((0, xt.shape[0], g.shape[1]), dtype=dtype)
     local_offs = (offs[first : first + count] - start).to(torch.int32)
