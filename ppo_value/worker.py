@@ -148,7 +148,7 @@ class ValueWorker:
         return sizes
 
     @property
-    def _sp_multiple(self) -> int:
+    def _length_multiple(self) -> int:
         """Sequence lengths must be a multiple of this: the TP degree under SP, else 1; under
         CP ``2 * cp`` times that (``2 * cp`` equal chunks, each rank's two a multiple of it)."""
         sp = self.config.tp if self.config.sequence_parallel else 1
@@ -233,7 +233,7 @@ class ValueWorker:
         ids, mask, seq = pad_for_sequence_parallel(
             input_ids[:, :extent].to(self.device),
             attention_mask[:, :extent].to(self.device),
-            self._sp_multiple,
+            self._length_multiple,
             self.pad_token_id,
         )
         raw = (self._cp_values(ids, mask) if self.cp_group is not None else self.model(ids, mask))[
@@ -259,7 +259,7 @@ class ValueWorker:
             input_ids,
             attention_mask,
             row_tokens=row_tokens,
-            multiple=self._sp_multiple,
+            multiple=self._length_multiple,
             pad_token_id=self.pad_token_id,
         ).to(self.device)
         if self.cp_group is not None:
