@@ -6,9 +6,10 @@ Layout: the (padded) sequence of length ``T`` is cut into ``2 * cp`` equal chunk
 mask's work). Everything before attention (embedding, norms, MLP, TP + SP inside each CP rank)
 runs on the local ``T / cp`` tokens with their global positions.
 
-Attention gathers keys and values from the CP group (in global order) and runs each rank's
-queries against all of them with an explicit boolean mask built from global column indices:
-causal, within one packed document (segment ids), and only on valid keys. That is how a
+Attention gathers keys and values from the CP group (in global order) and runs each of the
+rank's two chunks of queries against the keys up to that chunk's end, with a mask built per
+layer from global column indices (additive in the compute dtype): causal, within one packed
+document (segment ids), and only on valid keys. That is how a
 document or padding mask survives CP; torch's ring attention (``context_parallel()``, which
 :mod:`dtensor_patches.patches.nn.context_parallel_cpu` makes run on CPU) computes each key block
 with ``is_causal`` only and cannot honour either. The gather's backward sums the key/value
