@@ -21,6 +21,12 @@ the patches it needs, :data:`NEEDED`, named in the output), with a bootstrap 95%
 
     python benchmarks/step_overhead.py --rounds 21 --json docs/benchmarks/step_overhead-2.13.0.json
     python benchmarks/step_overhead.py --steps-kind critic --per-patch --rounds 11
+
+``stock_again`` is stock measured once more as if it were a configuration: its ratio is the
+noise floor of the run (an A/A control), against which the others are read. ``--per-patch``
+measures alone and left out only the patches whose code runs in a warm step (counted with
+``cProfile`` and printed for every step as calls per step; ``(dispatch)`` is the path all
+patches share): a patch none of whose code runs costs nothing per step.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ def _configure(name: str, baseline: list[str] | None = None) -> None:
     import dtensor_patches
 
     dtensor_patches.revert_all()
-    if name == "stock" and baseline:
+    if name in ("stock", "stock_again") and baseline:
         dtensor_patches.apply_all(only=baseline)
     elif name == "all":
         dtensor_patches.apply_all()
@@ -154,9 +160,17 @@ def bench_rank(kind: str, args: dict[str, Any]) -> dict[str, Any]:
             raise
     dtensor_patches.revert_all()
     applied = [o.name for o in dtensor_patches.apply_all() if o.status.name == "APPLIED"]
-    configs = ["stock", "all"]
+    step()
+    calls = patch_calls_per_step(step, applied)
+    # "stock_again" is stock measured as if it were a configuration: its ratio to stock is
+    # what this machine's noise alone gives, the control every other ratio is read against.
+    configs = ["stock", "stock_again", "all"]
     if args["per_patch"]:
-        configs += [f"alone:{n}" for n in applied] + [f"without:{n}" for n in applied]
+        # Only a patch whose code runs in a warm step can cost anything per step (a strategy
+        # torch cached, or an op the step never calls, costs nothing): those are measured
+        # alone and left out; the rest are reported with their count of zero.
+        running = [n for n in applied if calls.get(n, 0)]
+        configs += [f"alone:{n}" for n in running] + [f"without:{n}" for n in running]
     rng = random.Random(0)  # the same order on every rank
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     for _ in range(args["rounds"]):
@@ -177,7 +191,49 @@ def bench_rank(kind: str, args: dict[str, Any]) -> dict[str, Any]:
                 )
             )
     _configure("all")
-    return {"configs": configs, "times": times, "baseline": baseline or []}
+    return {"configs": configs, "times": times, "baseline": baseline or [], "calls": calls}
+
+
+def patch_calls_per_step(
+    step: Callable[[], None], applied: list[str], steps: int = 2
+) -> dict[str, float]:
+    """Calls per warm step into each applied patch's own code (its module and the private
+    helper modules it imports), counted with ``cProfile``; patches with no call are left out.
+    The dispatch path every patch shares (the hook, the miss rules) is counted as
+    ``"(dispatch)"``."""
+    import cProfile
+    import importlib
+    import pstats
+
+    import dtensor_patches
+
+    owners: dict[str, set[str]] = {}
+    for name in applied:
+        module = importlib.import_module(dtensor_patches.get(name).registrations.__module__)
+        files = {module.__file__}
+        for value in vars(module).values():
+            helper = getattr(value, "__module__", None) or getattr(value, "__name__", "")
+            if isinstance(helper, str) and helper.rpartition(".")[2].startswith("_"):
+                helper_module = sys.modules.get(helper)
+                if helper_module is not None and "dtensor_patches.patches" in helper:
+                    files.add(helper_module.__file__)
+        for file in files:
+            owners.setdefault(str(file), set()).add(name)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    profile.disable()
+    counts: dict[str, float] = {}
+    for (file, _, _), row in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        names = owners.get(file)
+        if names is None and (
+            "dtensor_patches/dispatch/" in file or "dtensor_patches/_torch/dispatch_hook" in file
+        ):
+            names = {"(dispatch)"}
+        for name in names or ():
+            counts[name] = counts.get(name, 0.0) + row[1] / steps
+    return counts
 
 
 def _interval(ratios: list[float], resamples: int = 2000) -> tuple[float, float]:
@@ -243,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             result = pool.run(bench_rank, kind, run_args)[0]
             rows = summarize(result["times"])
             out["kinds"][kind] = rows
+            out.setdefault("calls_per_step", {})[kind] = result["calls"]
             if result["baseline"]:
                 out.setdefault("baselines", {})[kind] = result["baseline"]
                 print(
@@ -259,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['cpu_interval'][0]:.3f}-{row['cpu_interval'][1]:.3f}  {row['wall_ratio']:>10.3f}  "
                     f"{row['wall_interval'][0]:.3f}-{row['wall_interval'][1]:.3f}"
                 )
+            running = ", ".join(f"{n} {c:.0f}" for n, c in sorted(result["calls"].items()))
+            print(f"{'':>{len(kind) + 2}}calls per warm step into the package: {running or 'none'}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

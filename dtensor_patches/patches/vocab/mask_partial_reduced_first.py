@@ -47,12 +47,6 @@ def _masked(value: Any) -> bool:
     return placements is not None and any(is_mask_partial(p) for p in placements)
 
 
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _leaves(item)]
-    return [value]
-
-
 def _reduce_masked(value: Any) -> Any:
     from torch.distributed.tensor import Replicate
 
@@ -79,9 +73,27 @@ def _run_reduced(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return op_call(*args, **kwargs)
 
 
+def _holds_masked(values: Any, mask_partial: type) -> bool:
+    # Runs on every miss of every op (AdamW's addcdiv_ misses each step: its scalar changes),
+    # so it walks the schema in place, with no list built and no call per placement.
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            if _holds_masked(value, mask_partial):
+                return True
+            continue
+        for placement in getattr(value, "placements", None) or ():
+            if isinstance(placement, mask_partial):
+                return True
+    return False
+
+
 def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
-    leaves = _leaves(list(schema.args_schema)) + _leaves(list(schema.kwargs_schema.values()))
-    return _run_reduced if any(_masked(leaf) for leaf in leaves) else None
+    mask_partial = mask_partial_class()
+    if _holds_masked(schema.args_schema, mask_partial) or _holds_masked(
+        schema.kwargs_schema.values(), mask_partial
+    ):
+        return _run_reduced
+    return None
 
 
 def _registrations() -> list[MissRule]:
