@@ -26,7 +26,9 @@ the patches it needs, :data:`NEEDED`, named in the output), with a bootstrap 95%
 noise floor of the run (an A/A control), against which the others are read. ``--per-patch``
 measures alone and left out only the patches whose code runs in a warm step (counted with
 ``cProfile`` and printed for every step as calls per step; ``(dispatch)`` is the path all
-patches share): a patch none of whose code runs costs nothing per step.
+patches share) or that decides how an op of the step runs (its code runs in the first step
+after ``apply_all()``, when every decision is propagated): any other patch is never consulted
+by the step.
 """
 
 from __future__ import annotations
@@ -160,7 +162,10 @@ def bench_rank(kind: str, args: dict[str, Any]) -> dict[str, Any]:
             raise
     dtensor_patches.revert_all()
     applied = [o.name for o in dtensor_patches.apply_all() if o.status.name == "APPLIED"]
-    step()
+    # The first step after apply_all() propagates every decision: a patch whose code runs
+    # then decides how some op of the step runs (a cached strategy: it costs no Python later,
+    # but its layout may cost communication or kernels on every step).
+    deciding = patch_calls_per_step(step, applied, steps=1)
     calls = patch_calls_per_step(step, applied)
     # "stock_again" is stock measured as if it were a configuration: its ratio to stock is
     # what this machine's noise alone gives, the control every other ratio is read against.
@@ -169,7 +174,7 @@ def bench_rank(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         # Only a patch whose code runs in a warm step can cost anything per step (a strategy
         # torch cached, or an op the step never calls, costs nothing): those are measured
         # alone and left out; the rest are reported with their count of zero.
-        running = [n for n in applied if calls.get(n, 0)]
+        running = [n for n in applied if calls.get(n, 0) or deciding.get(n, 0)]
         configs += [f"alone:{n}" for n in running] + [f"without:{n}" for n in running]
     rng = random.Random(0)  # the same order on every rank
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
@@ -191,13 +196,19 @@ def bench_rank(kind: str, args: dict[str, Any]) -> dict[str, Any]:
                 )
             )
     _configure("all")
-    return {"configs": configs, "times": times, "baseline": baseline or [], "calls": calls}
+    return {
+        "configs": configs,
+        "times": times,
+        "baseline": baseline or [],
+        "calls": calls,
+        "deciding": sorted(n for n in deciding if n != "(dispatch)"),
+    }
 
 
 def patch_calls_per_step(
     step: Callable[[], None], applied: list[str], steps: int = 2
 ) -> dict[str, float]:
-    """Calls per warm step into each applied patch's own code (its module and the private
+    """Calls per step (over ``steps`` steps) into each applied patch's own code (its module and the private
     helper modules it imports), counted with ``cProfile``; patches with no call are left out.
     The dispatch path every patch shares (the hook, the miss rules) is counted as
     ``"(dispatch)"``."""
@@ -318,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             running = ", ".join(f"{n} {c:.0f}" for n, c in sorted(result["calls"].items()))
             print(f"{'':>{len(kind) + 2}}calls per warm step into the package: {running or 'none'}")
+            print(
+                f"{'':>{len(kind) + 2}}patches consulted while the step is decided: "
+                f"{', '.join(result['deciding']) or 'none'}"
+            )
+            out.setdefault("deciding", {})[kind] = result["deciding"]
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

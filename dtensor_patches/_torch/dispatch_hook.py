@@ -24,7 +24,7 @@ propagator objects (:func:`replacements`; the ledger installs and restores them)
 
 from __future__ import annotations
 
-import threading
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -124,9 +124,24 @@ class Divert(BaseException):
         self.run = run
 
 
-# 2.9: the op this thread's dispatch is running (propagation is re-entered for nested ops,
-# and only the outermost call's own propagation may divert it).
-_CURRENT = threading.local()
+def _dispatching_op() -> Any:
+    """2.9: the op of the innermost ``hooked_dispatch`` on this thread's stack, or ``None``.
+
+    Propagation is re-entered for nested ops (torch's own, inside a dispatch): only the call
+    a dispatch is running may be diverted by its own propagation. Read from the frames, on a
+    miss only, so that the dispatch wrapper itself does nothing on every call. A dispatch that
+    is running a diverted call (its ``diverted`` is bound) is not the one propagating: the search
+    goes on outwards, as if that dispatch had returned."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is _HOOKED_CODE[0] and "diverted" not in frame.f_locals:
+            return frame.f_locals.get("op_call")
+        frame = frame.f_back
+    return None
+
+
+# The code object of every hooked_dispatch closure (set when the first one is built).
+_HOOKED_CODE: list[Any] = [None]
 
 
 def _slow_path(decide: Decide) -> tuple[str, str, Any]:
@@ -165,8 +180,7 @@ def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[st
 
     def propagate(op_schema: OpSchema) -> Any:
         op = op_schema.op
-        current = getattr(_CURRENT, "op", None)
-        if current is not op or not _active():
+        if not _active() or _dispatching_op() is not op:
             return non_cached(op_schema)
         native = NativeDecision(lambda: non_cached(op_schema))
         run = decide(op, op_schema, native)
@@ -176,25 +190,25 @@ def _python_dispatch(decide: Decide, take_refusal: TakeRefusal) -> list[tuple[st
         return native.get()
 
     def hooked_dispatch(op_call: Any, args: Any, kwargs: Any) -> Any:
-        outer = getattr(_CURRENT, "op", None)
-        _CURRENT.op = op_call
+        # Every DTensor call passes here on 2.9: nothing but the try (free when nothing is
+        # raised). Which op a propagation belongs to is found from this frame, on a miss only.
         try:
             return dispatch(op_call, args, kwargs)
         except Divert as divert:
             if divert.op is not op_call:
                 raise
             run = divert.run
+            diverted = True  # this frame now runs a diverted call: _dispatching_op skips it
         except AssertionError as error:
             if "found no DeviceMesh from dtensor args" not in str(error):
                 raise
-            _CURRENT.op = outer
+            diverted = True  # noqa: F841 - read from this frame by _dispatching_op
             return take_refusal(op_call, args, kwargs, error)
-        finally:
-            _CURRENT.op = outer
         # Outside the handler: the diverted call must not run with the Divert (whose
         # traceback holds every frame of the propagation) as the context of its exceptions.
         return run(op_call, args, kwargs)
 
+    _HOOKED_CODE[0] = hooked_dispatch.__code__
     return [
         (PROPAGATOR_ATTRIBUTES, "propagate_op_sharding_non_cached", propagate),
         (DISPATCHER_ATTRIBUTES, "dispatch", hooked_dispatch),
