@@ -92,8 +92,7 @@ def bench_rank(args: dict[str, Any]) -> dict[str, Any]:
     local = {n: _shard(batch, w.config.dp, w.dp_rank) for n, w in workers.items()}
     order = random.Random(1)
     out: dict[str, dict[str, list[float]]] = {
-        n: {"train_wall": [], "train_cpu": [], "values_wall": [], "values_cpu": []}
-        for n in workers
+        n: {"train_wall": [], "train_cpu": [], "values_wall": [], "values_cpu": []} for n in workers
     }
     for rnd in range(args["warmup"] + args["repeats"]):
         names = list(workers)

@@ -8,7 +8,7 @@ A predicate answers ``True`` (the call is the case the patch fixes), ``False`` (
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -41,6 +41,8 @@ class Call:
         gathered: how many were computed on gathered inputs (the fallback took a refusal,
             or a patch that gathers by nature ran them).
         raised: the first line of the first error a call raised, ``""`` if none did.
+        cells: the cells (:func:`dtensor_patches.cells.cell_key`: op and input layouts, uneven
+            dims marked) the calls of this key were, in first-use order.
     """
 
     op: str
@@ -50,6 +52,7 @@ class Call:
     ran: int = 0
     gathered: int = 0
     raised: str = ""
+    cells: list[str] = field(default_factory=list)
 
     @property
     def partial_inputs(self) -> bool:
@@ -72,6 +75,7 @@ class Call:
             "ran": self.ran,
             "gathered": self.gathered,
             "raised": self.raised,
+            "cells": list(self.cells),
         }
 
 

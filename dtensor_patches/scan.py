@@ -39,6 +39,7 @@ from typing import Any
 
 from dtensor_patches._callable_module import call_through
 from dtensor_patches.calls import Call, needs_sharded_inputs
+from dtensor_patches.cells import cell_key, family_patch_name, layout_of, wrong_cells
 from dtensor_patches.errors import first_line
 
 __all__ = ["Call", "Finding", "ReleaseVerdict", "Scan", "ScanReport", "release_data", "scan"]
@@ -57,13 +58,16 @@ def _placement_code(placement: Any) -> str:
     return str(placement)
 
 
-def _describe(value: Any, dtensor: type, out: list[str], uneven: list[bool]) -> None:
+def _describe(
+    value: Any, dtensor: type, out: list[str], uneven: list[bool], layouts: list[str]
+) -> None:
     import torch
 
     if isinstance(value, dtensor):
         placements = tuple(value.placements)
         out.append("".join(_placement_code(p) for p in placements))
         mesh = value.device_mesh
+        layouts.append(layout_of(placements, value.shape, mesh.shape))
         for mesh_dim, p in enumerate(placements):
             if p.is_shard() and value.shape[p.dim] % mesh.size(mesh_dim):
                 uneven[0] = True
@@ -71,7 +75,7 @@ def _describe(value: Any, dtensor: type, out: list[str], uneven: list[bool]) -> 
         out.append("tensor")
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _describe(item, dtensor, out, uneven)
+            _describe(item, dtensor, out, uneven, layouts)
 
 
 class Scan:
@@ -99,16 +103,20 @@ class Scan:
 
         inputs: list[str] = []
         uneven = [False]
-        _describe(list(args) + list(kwargs.values()), DTensor, inputs, uneven)
+        layouts: list[str] = []
+        _describe(list(args) + list(kwargs.values()), DTensor, inputs, uneven, layouts)
         if not any(i != "tensor" for i in inputs):
             return None
         key = (str(op), tuple(inputs))
+        cell = cell_key(key[0], layouts)
         with self._lock:
             call = self.calls.get(key)
             if call is None:
                 call = self.calls[key] = Call(key[0], key[1])
             call.count += 1
             call.uneven = call.uneven or uneven[0]
+            if cell not in call.cells:
+                call.cells.append(cell)
         return call
 
     def observe(self, call: Call, *, gathered: bool = False, raised: str = "") -> None:
@@ -133,6 +141,7 @@ class Scan:
             call.ran = max(call.ran, item.get("ran", 0))
             call.gathered = max(call.gathered, item.get("gathered", 0))
             call.raised = call.raised or item.get("raised", "")
+            call.cells.extend(c for c in item.get("cells", ()) if c not in call.cells)
         self.error = self.error or data.get("error")
         self.patched = self.patched or bool(data.get("patched", False))
 
@@ -382,7 +391,7 @@ def verdict_for(found: Scan, release: str, facts: Mapping[str, Any]) -> ReleaseV
         if not runs and not decomposed:
             out.findings.append(Finding(call, "missing", _covering(call.op, facts)))
             continue
-        measured = _measured_bugs(call, facts)
+        measured = _measured_bugs(call, facts) + _wrong_cells(call, facts)
         if decomposed and not measured:
             out.findings.append(Finding(call, "decomposes", _covering(call.op, facts)))
         out.findings.extend(measured)
@@ -420,6 +429,25 @@ def _measured_bugs(call: Call, facts: Mapping[str, Any]) -> list[Finding]:
             continue
         fix = (name,) if p["in_gate"] else ()
         found.append(Finding(call, kind, fix, certain=bool(hit), detail=p["stock"]))
+    return found
+
+
+def _wrong_cells(call: Call, facts: Mapping[str, Any]) -> list[Finding]:
+    """The ``"wrong"`` findings of ``call`` from the strategy validator's table
+    (``data/wrong_cells.json``): a cell the call was that stock torch of this release gets
+    wrong; certain, since the cell is the op and its inputs' layouts exactly."""
+    from dtensor_patches._torch.versions import release_of
+
+    by_key = {c.key: c for c in wrong_cells(release_of(facts["torch"]))}
+    found = []
+    for key in call.cells:
+        cell = by_key.get(key)
+        if cell is None:
+            continue
+        fix = (family_patch_name(cell.family),) if cell.routed else ()
+        how = "" if cell.routed else "; fixed by the library's hand-written patches"
+        detail = f"{key}: {cell.problem} (measured by tools/validate{how})"
+        found.append(Finding(call, "wrong", fix, certain=True, detail=detail))
     return found
 
 

@@ -45,6 +45,9 @@ MISS_RULES_TABLE = "dtensor_patches.miss_rules"
 
 _RuleFn = Callable[..., Any]
 
+ANY_OP_FIRST = "*first"
+"""The op of a miss rule consulted for every op before the op's own rule."""
+
 
 class RuleTable(dict[Hashable, _RuleFn]):
     """The miss-rule table: a ``dict`` (the ledger writes it like any other table) that keeps,
@@ -59,9 +62,14 @@ class RuleTable(dict[Hashable, _RuleFn]):
     """
 
     any_op: tuple[tuple[Hashable, _RuleFn], ...] = ()
+    first: tuple[tuple[Hashable, _RuleFn], ...] = ()
+    """The rules for every op that come before an op's own rule (keys ``(ANY_OP_FIRST,
+    name)``): the validator's routed cells, which every other rule gets wrong."""
 
     def _refresh(self) -> None:
-        self.any_op = tuple((k, v) for k, v in dict.items(self) if isinstance(k, tuple))
+        every = [(k, v) for k, v in dict.items(self) if isinstance(k, tuple)]
+        self.first = tuple((k, v) for k, v in every if k[0] == ANY_OP_FIRST)
+        self.any_op = tuple((k, v) for k, v in every if k[0] != ANY_OP_FIRST)
 
     def __setitem__(self, key: Hashable, value: _RuleFn) -> None:
         dict.__setitem__(self, key, value)

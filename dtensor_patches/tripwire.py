@@ -350,31 +350,11 @@ _DISABLE_ENV = "DTENSOR_PATCHES_DISABLE"
 
 
 def gather_result(result: str | None) -> str | None:
-    """Every rank's reproducer result, combined by :func:`_agree` (collective).
+    """Every rank's reproducer result (:func:`~dtensor_patches.rank_texts.gather_texts`),
+    combined by :func:`_agree` (collective)."""
+    from dtensor_patches.rank_texts import gather_texts
 
-    Sent as UTF-8 bytes in uint8 tensors rather than with ``all_gather_object``, which needs
-    NumPy on some releases (2.10: ``RuntimeError: Numpy is not available``); torch does not
-    depend on NumPy, and neither do the tripwires.
-    """
-    import torch
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    # b"" is "correct"; a bug is b"!" + its text, so an empty message still counts as a bug.
-    payload = b"" if result is None else b"!" + result.encode("utf-8")
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    longest = max(int(s.item()) for s in sizes)
-    buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
-    buf[: len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
-    bufs = [torch.zeros_like(buf) for _ in range(world)]
-    dist.all_gather(bufs, buf)
-    everyone: list[str | None] = []
-    for s, b in zip(sizes, bufs, strict=True):
-        raw = bytes(b[: int(s.item())].tolist())
-        everyone.append(None if not raw else raw[1:].decode("utf-8", errors="replace"))
-    return _agree(everyone)
+    return _agree(gather_texts(result))
 
 
 def start_pool(world_size: int = 2, *, timeout: float = 600.0) -> RankPool:

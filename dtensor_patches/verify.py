@@ -24,9 +24,6 @@ backward ops (autograd anomaly mode). It is for debugging a few steps, never for
 from __future__ import annotations
 
 import functools
-import os
-import re
-import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,6 +51,8 @@ from dtensor_patches._torch.schemas import (
     written_positions,
 )
 from dtensor_patches._torch.versions import view_geometry_is_global
+from dtensor_patches.cell_record import capture
+from dtensor_patches.cells import cell_key, layout_of, wrong_keys
 from dtensor_patches.dispatch.miss_rules import FALLBACK_DECISION, watch_decisions
 from dtensor_patches.dispatch.shards import in_layout_of
 from dtensor_patches.dispatch.tracked_views import region_in, view_record
@@ -66,6 +65,8 @@ from dtensor_patches.verify_sampling import (
     fraction_of,
     signature,
 )
+from dtensor_patches.verify_source import describe as _describe
+from dtensor_patches.verify_source import source as _source
 
 __all__ = [
     "PROCESS_SIGNATURES",
@@ -77,49 +78,7 @@ __all__ = [
     "verify",
 ]
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _UNINITIALISED = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>.*)')
-
-
-def _describe(x: Any) -> str:
-    dtensor = dtensor_class()
-    if isinstance(x, dtensor):
-        return f"{list(x.shape)} {tuple(x.placements)} {str(x.dtype).removeprefix('torch.')}"
-    if isinstance(x, torch.Tensor):
-        return f"plain {list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
-    text = repr(x)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _user_frame_of(frames: list[tuple[str, int, str, str]]) -> str:
-    for filename, line, fn, code in reversed(frames):
-        path = os.path.abspath(filename)
-        if path.startswith((_TORCH_DIR, _PACKAGE_DIR)) or "contextlib" in path:
-            continue
-        shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else filename
-        return f"{shown}:{line} in {fn}: {code.strip()}"
-    return "<no user frame>"
-
-
-def _source(phase: str) -> str:
-    if phase == "backward":
-        node = current_autograd_node()
-        trace = getattr(node, "metadata", {}).get("traceback_") if node is not None else None
-        if trace:
-            frames = [
-                (m["file"], int(m["line"]), m["fn"], m["code"])
-                for m in (_FRAME.search(entry) for entry in trace)
-                if m is not None
-            ]
-            return f"backward of {_user_frame_of(frames)}"
-        return f"backward, called from {_user_frame_of(_stack())}"
-    return _user_frame_of(_stack())
-
-
-def _stack() -> list[tuple[str, int, str, str]]:
-    return [(f.filename, f.lineno or 0, f.name, f.line or "") for f in traceback.extract_stack()]
 
 
 def _exact(x: torch.Tensor) -> bool:
@@ -193,7 +152,10 @@ class _Checker:
         fraction: float | None = None,
         signatures: Signatures | None = None,
         on_mismatch: Callable[[Mismatch], None] | None = None,
+        keep_calls: bool = False,
     ) -> None:
+        self.keep_calls = keep_calls
+        self._broken_before: set[int] = set()
         self.atol = atol
         self.rtol = rtol
         self.raise_on_mismatch = raise_on_mismatch
@@ -341,6 +303,19 @@ class _Checker:
                 ),
                 (args, kwargs),
             )
+        layouts = tuple(layout_of(x.placements, x.shape, x.device_mesh.shape) for x in flat_in)
+        # An input already inconsistent with its spec was broken by an earlier call (reported
+        # there): this call is not blamed for it.
+        self._broken_before = (
+            {id(x) for x in flat_in if _spec_problem(x) is not None}
+            if reference is not None
+            else set()
+        )
+        recorded = (
+            capture(name, args, kwargs, *reference)
+            if self.keep_calls and reference is not None
+            else None
+        )
         with watch_decisions() as decisions:
             out = func(*args, **kwargs)
         self._note_view(func, args, kwargs, out)
@@ -358,7 +333,20 @@ class _Checker:
         problem = across or self._check(func, name, (args, kwargs), out, reference, flat_in, views)
         if problem is not None:
             text, diff = problem
-            mismatch = Mismatch(name, phase, where, text, diff, inputs, outputs, _source(phase))
+            key = cell_key(name, layouts)
+            mismatch = Mismatch(
+                name,
+                phase,
+                where,
+                text,
+                diff,
+                inputs,
+                outputs,
+                _source(phase),
+                cell=key,
+                known=key in wrong_keys(),
+                call=recorded,
+            )
             self.report.mismatches.append(mismatch)
             if self.on_mismatch is not None:
                 self.on_mismatch(mismatch)
@@ -404,7 +392,7 @@ class _Checker:
         args, kwargs = called
         dtensor = dtensor_class()
         for i, x in enumerate(flat_in):
-            problem = _spec_problem(x)
+            problem = None if id(x) in self._broken_before else _spec_problem(x)
             if problem is not None:
                 return f"input {i} spec corrupted: {problem}", None
         for i, x in enumerate(o for o in tree_leaves(out) if isinstance(o, dtensor)):
@@ -533,6 +521,7 @@ def verify(
     trace_backward: bool | None = None,
     sample: bool | float = False,
     signatures: Signatures | None = None,
+    keep_calls: bool = False,
 ) -> Iterator[VerifyReport]:
     """Check every DTensor op that runs inside the block against the same op on full tensors.
 
@@ -559,6 +548,9 @@ def verify(
         signatures: where sampling remembers the signatures it decided on; default
             :data:`PROCESS_SIGNATURES` (one per process). Give a fresh :class:`Signatures` to
             check everything again.
+        keep_calls: record each mismatching call's arguments (full values, layouts) in
+            :attr:`Mismatch.call`, to replay it (``dtensor_patches.cell_replay``); costs a
+            copy of every checked call's arguments.
 
     Yields:
         A :class:`VerifyReport`, filled while the block runs.
@@ -578,7 +570,7 @@ def verify(
     fraction = fraction_of(sample)
     if trace_backward is None:
         trace_backward = fraction is None
-    checker = _Checker(atol, rtol, raise_on_mismatch, fraction, signatures)
+    checker = _Checker(atol, rtol, raise_on_mismatch, fraction, signatures, keep_calls=keep_calls)
     mode = _mode_class()(checker)
     anomaly = (
         torch.autograd.set_detect_anomaly(True, check_nan=False) if trace_backward else _nothing()

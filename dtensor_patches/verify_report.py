@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Mismatch", "VerifyError", "VerifyReport"]
 
@@ -22,6 +23,12 @@ class Mismatch:
         outputs: the same for the outputs.
         source: the user's line that made the call, ``"file:line in fn: code"`` (for a
             backward op: the forward line that recorded it, when known).
+        cell: the op and its DTensor inputs' layouts, ``"aten.squeeze.dim(S0~)"``
+            (:func:`dtensor_patches.cells.cell_key`).
+        known: the cell is in this release's table of cells stock torch gets wrong
+            (``data/wrong_cells.json``): ``apply_all()`` routes it to the fallback's
+            computation (patch ``wrong_strategy_cells``).
+        call: the recorded call (``verify(keep_calls=True)``), else ``None``.
     """
 
     op: str
@@ -32,11 +39,19 @@ class Mismatch:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     source: str
+    cell: str = ""
+    known: bool = False
+    call: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         diff = "" if self.max_diff is None else f" (largest difference {self.max_diff:.3g})"
+        known = (
+            "\n  known: stock torch gets this cell wrong on this release; apply_all() routes it"
+            if self.known
+            else ""
+        )
         return (
-            f"{self.op} ({self.phase}, {self.path}): {self.problem}{diff}\n"
+            f"{self.op} ({self.phase}, {self.path}): {self.problem}{diff}{known}\n"
             f"  at {self.source}\n"
             f"  inputs:  {'; '.join(self.inputs)}\n"
             f"  outputs: {'; '.join(self.outputs)}"

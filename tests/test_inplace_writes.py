@@ -233,3 +233,53 @@ def test_reproducer_fails_on_stock_and_passes_patched(pool2: RankPool) -> None:
         assert r["stock"] is not None
         assert r["patched"] is None
         assert r["reverted"] == r["stock"]
+
+
+def _partial_target_and_operands(op: str) -> list[bool]:
+    """An in-place product on a ``Partial(sum)`` target whose other operands are pending sums
+    too (found by tools/validate: the patch reduced the target only, and torch's strategy for
+    ``addmv_(R, P, P)`` adds each rank's ``mat_i @ vec_i``). Stock torch is right here; the
+    patch must stay right."""
+    import dtensor_patches
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    g = torch.Generator().manual_seed(3)
+    s, m, v = (
+        torch.randn(5, generator=g),
+        torch.randn(5, 7, generator=g),
+        torch.randn(7, generator=g),
+    )
+    calls = {
+        "addmv_": (lambda a, b, c: a.addmv_(b, c), (s, m, v)),
+        "addmm_": (
+            lambda a, b, c: a.addmm_(b, c),
+            (torch.randn(5, 3, generator=g), m, torch.randn(7, 3, generator=g)),
+        ),
+        "addcmul_": (lambda a, b, c: a.addcmul_(b, c), (s, s * 2, s - 1)),
+    }
+    fn, (a, b, c) = calls[op]
+    expected = fn(a.clone(), b, c)
+    out = []
+    for patched in (False, True):
+        dtensor_patches.revert_all()
+        if patched:
+            dtensor_patches.apply_all()
+        try:
+            target = _partial_share(a, mesh)
+            fn(target, _partial_share(b, mesh), _partial_share(c, mesh))
+            out.append(torch.allclose(target.full_tensor(), expected, atol=1e-5))
+        except RuntimeError:
+            if patched:
+                raise
+            out.append(False)  # stock torch refuses some (2.12+): a clear error
+        finally:
+            dtensor_patches.revert_all()
+    return out
+
+
+@pytest.mark.parametrize("op", ["addmv_", "addmm_", "addcmul_"])
+def test_partial_target_with_partial_operands(pool2: RankPool, op: str) -> None:
+    for stock_right, patched_right in pool2.run(_partial_target_and_operands, op):
+        assert patched_right or not stock_right, "apply_all() made a right result wrong"
+        assert patched_right

@@ -263,3 +263,67 @@ def test_vocab_parallel_embedding_result_viewed_reduced_and_reused(
     for got in pool2.run(_embedding_on_rank, vocab):
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-9, msg=key)
+
+
+# What users do next with a vocab-parallel lookup (a ``_MaskPartial`` result, issue 19): each
+# must give the single-device value without gathering the vocabulary-sized operand.
+FOLLOW_UPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "view": lambda e: e.reshape(-1),
+    "squeeze": lambda e: e.unsqueeze(0).squeeze(0),
+    "index": lambda e: e[1],
+    "sum": lambda e: e.sum(-1),
+    "mean": lambda e: e.mean(),
+    "cast": lambda e: e.float(),
+    "neg_then_exp": lambda e: (-e).exp(),
+}
+
+
+def _lookup(source: str, vocab: int, mesh: Any) -> tuple[torch.Tensor, Any]:
+    """(single-device lookup, the same on vocab-sharded DTensors) in float64."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(vocab)
+    ids = torch.randint(0, vocab, (2, 3), generator=g)
+    dist_ids = distribute_tensor(ids, mesh, [Replicate()])
+    if source == "embedding":
+        weight = torch.randn(vocab, 4, generator=g, dtype=torch.float64)
+        return F.embedding(ids, weight), F.embedding(
+            dist_ids, distribute_tensor(weight, mesh, [Shard(0)])
+        )
+    logits = torch.randn(2, 3, vocab, generator=g, dtype=torch.float64)
+    picked = logits.gather(-1, ids.unsqueeze(-1))
+    dist_logits = distribute_tensor(logits, mesh, [Shard(2)])
+    return picked, dist_logits.gather(-1, dist_ids.unsqueeze(-1))
+
+
+def _follow_up_on_rank(source: str, follow_up: str, vocab: int) -> dict[str, Any]:
+    from dtensor_patches import patched
+    from dtensor_patches.comm_bytes import CommBytes
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    with patched():
+        expected, lookup = _lookup(source, vocab, mesh)
+        with CommBytes() as moved:
+            got = FOLLOW_UPS[follow_up](lookup)
+            full = got.full_tensor()
+    vocab_sized = (vocab * 4 if source == "embedding" else 2 * 3 * vocab) * 8
+    return {
+        "got": full,
+        "expected": FOLLOW_UPS[follow_up](expected),
+        "largest": moved.largest,
+        "lookup_bytes": expected.numel() * 8,
+        "vocab_bytes": vocab_sized,
+    }
+
+
+@pytest.mark.parametrize("follow_up", sorted(FOLLOW_UPS))
+@pytest.mark.parametrize("source", ["embedding", "gather"])
+def test_a_vocab_parallel_lookup_then_what_users_do_next(
+    pool2: RankPool, source: str, follow_up: str
+) -> None:
+    for got in pool2.run(_follow_up_on_rank, source, follow_up, 9):
+        torch.testing.assert_close(got["got"], got["expected"], rtol=1e-9, atol=1e-9)
+        # The lookup's own size at most (its pending sum reduced before the mask is lost):
+        # never the vocabulary-sized weight or logits.
+        assert got["largest"] <= got["lookup_bytes"] < got["vocab_bytes"], got

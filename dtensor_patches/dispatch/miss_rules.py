@@ -8,7 +8,8 @@ returns ``None`` (torch's decision stands and is cached: later calls with that s
 torch's fast path) or a function that runs the call instead (never cached, so the next such
 call comes back to the rule). Every other call keeps torch's fast path and pays nothing.
 
-Order on a miss: the op's own rule, then every rule for all ops (:data:`ANY_OP`) in the order
+Order on a miss: the rules for all ops that go first (:data:`ANY_OP_FIRST`: the validator's
+routed cells), the op's own rule, then every rule for all ops (:data:`ANY_OP`) in the order
 they were registered, then the call fallback if torch's propagation raised.
 """
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ANY_OP",
+    "ANY_OP_FIRST",
     "FALLBACK_DECISION",
     "DivertedCall",
     "MissRule",
@@ -48,6 +50,10 @@ ANY_OP = "*"
 kind of call rather than an op: an in-place write into a ``Partial`` target, a view op that
 must redistribute."""
 
+ANY_OP_FIRST = state.ANY_OP_FIRST
+"""The op of a rule consulted for every op before the op's own rule and the other any-op
+rules: for cells measured wrong under every other rule (``wrong_cells_<family>``)."""
+
 FALLBACK_DECISION = "fallback"
 """What :func:`watch_decisions` notes for a call the call fallback ran."""
 
@@ -55,10 +61,10 @@ Rule = Callable[["OpSchema", NativeDecision], "DivertedCall | None"]
 """``rule(op_schema, native) -> DivertedCall | None``."""
 
 
-def any_op_key(rule: Rule) -> tuple[str, str]:
-    """The table key of a rule for every op: ``(ANY_OP, "module.qualname")``, so that several
-    patches can each hold one."""
-    return (ANY_OP, f"{rule.__module__}.{rule.__qualname__}")
+def any_op_key(rule: Rule, op: str = ANY_OP) -> tuple[str, str]:
+    """The table key of a rule for every op: ``(ANY_OP, "module.qualname")`` (or
+    ``ANY_OP_FIRST``), so that several patches can each hold one."""
+    return (op, f"{rule.__module__}.{rule.__qualname__}")
 
 
 @dataclass(frozen=True)
@@ -79,11 +85,13 @@ class MissRule:
 
     @property
     def concerns(self) -> tuple[str, ...]:
-        return () if self.op == ANY_OP else (self.op,)
+        return () if self.op in (ANY_OP, ANY_OP_FIRST) else (self.op,)
 
     def key(self) -> Hashable:
         """The miss-rule table key: the op, or :func:`any_op_key` for every op."""
-        return any_op_key(self.fn) if self.op == ANY_OP else resolve_op(self.op)
+        if self.op in (ANY_OP, ANY_OP_FIRST):
+            return any_op_key(self.fn, self.op)
+        return resolve_op(self.op)
 
     def entries(self) -> Sequence[EntryKey]:
         return [(state.MISS_RULES_TABLE, self.key())]
@@ -133,6 +141,8 @@ def decide(op: OpOverload, schema: OpSchema, native: NativeDecision) -> Diverted
     rules = state.MISS_RULES
     own = rules.get(op)
     candidates = rules.any_op if own is None else ((op, own), *rules.any_op)
+    if rules.first:
+        candidates = (*rules.first, *candidates)
     for key, rule in candidates:
         run = rule(schema, native)
         if run is not None:

@@ -13,6 +13,8 @@ together. The families:
 - ``vocab``: ops along a sharded class (vocabulary) dim: softmax, gather of ids, top-k;
 - ``nn``: attention, convolutions, matrix-vector products;
 - ``parallel_styles``: tensor-parallel plans;
+- ``validated``: the cells torch's own strategies get wrong, measured by ``tools/validate``
+  and routed by data, one patch per op family (``wrong_cells_<family>``);
 - ``edges``: where DTensors meet plain tensors (full state dicts loaded into DTensor
   parameters) and local tensors become DTensors (``from_local`` of uneven shards).
 
@@ -78,6 +80,7 @@ from dtensor_patches.patches.reductions import (
     scans,
     var_mean,
 )
+from dtensor_patches.patches.validated import wrong_cells
 from dtensor_patches.patches.views import (
     alias,
     as_strided,
@@ -186,5 +189,8 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         from_local_uneven.PATCH,
         uneven_gather_layout.PATCH,
         mesh_in_lists.PATCH,
+        # Last: the validator's routed cells are those the patches above leave wrong, and an
+        # op's own rule (a hand-written fix) is consulted before any any-op rule.
+        *wrong_cells.PATCHES,
     )
 )

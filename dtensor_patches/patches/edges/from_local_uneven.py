@@ -244,9 +244,7 @@ def _module_output(original: Any) -> Any:
         with _local_boundaries.boundary(self) as built:
             result = original(self, outputs, mesh)
         many = isinstance(outputs, tuple)
-        _tag_results(
-            outputs if many else (outputs,), result if many else (result,), mesh, built
-        )
+        _tag_results(outputs if many else (outputs,), result if many else (result,), mesh, built)
         return result
 
     return prepare_out

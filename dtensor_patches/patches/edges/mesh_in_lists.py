@@ -61,7 +61,9 @@ class _MeshlessHandlers:
                     op = resolve_op(name)
                 except Exception:  # noqa: BLE001 - a schema without a Python overload
                     continue
-                if not (torch_tables.has_native_strategy(op) or torch_tables.has_native_handler(op)):
+                if not (
+                    torch_tables.has_native_strategy(op) or torch_tables.has_native_handler(op)
+                ):
                     self._ops.append(op)
         return self._ops
 

@@ -1,0 +1,175 @@
+"""Cells (issue 19): the key verify gives a wrong call and the key the routing rule builds from
+a schema agree; a recorded call replays with the same values and layouts; and each op family's
+recorded wrong cells give the single-device result after ``apply_all()`` on this release,
+while stock torch still gets them wrong (what the tripwires rely on)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dtensor_patches.cells import cell_key, layout_of, wrong_cells
+from dtensor_patches.testing import RankPool
+
+
+class _P:
+    """A placement stand-in: layout_of reads only the public predicates and attributes."""
+
+    def __init__(self, kind: str, dim: int = 0, reduce_op: str = "sum") -> None:
+        self.kind, self.dim, self.reduce_op = kind, dim, reduce_op
+
+    def is_shard(self) -> bool:
+        return self.kind == "S"
+
+    def is_replicate(self) -> bool:
+        return self.kind == "R"
+
+    def is_partial(self) -> bool:
+        return self.kind == "P"
+
+
+def test_layout_text_marks_uneven_and_negative_dims() -> None:
+    assert layout_of([_P("S", 0)], (4, 3), (2,)) == "S0"
+    assert layout_of([_P("S", 0)], (5, 3), (2,)) == "S0~"
+    assert layout_of([_P("S", -1)], (4, 3), (2,)) == "S1~"
+    assert layout_of([_P("S", 0)], (1, 3), (2,)) == "S0~"  # an empty shard
+    assert layout_of([_P("R"), _P("S", 1)], (4, 6), (2, 2)) == "R/S1"
+    assert layout_of([_P("P", reduce_op="max")], (4,), (2,)) == "P.max"
+    assert cell_key("aten.add.Tensor", ["S0", "R"]) == "aten.add.Tensor(S0, R)"
+
+
+def _verify_and_rule_keys() -> list[tuple[str, str]]:
+    """Each call's key as verify names it and as the routing rule computes it at a miss."""
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    from dtensor_patches import verify
+    from dtensor_patches.patches.validated.wrong_cells import schema_cell
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    x = distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])
+    y = distribute_tensor(torch.ones(5, 2), mesh, [Replicate()])
+    z = distribute_tensor(torch.ones(5, 2), mesh, [Replicate()]).redistribute(mesh, [Replicate()])
+    p = torch.distributed.tensor.DTensor.from_local(torch.ones(5, 2), mesh, [Partial()])
+    out = []
+    seen: list[Any] = []
+    from dtensor_patches._torch import tables
+
+    propagator = tables.sharding_propagator()
+    original = propagator.propagate_op_sharding_non_cached
+
+    def spy(schema: Any) -> Any:
+        seen.append(schema_cell(schema))
+        return original(schema)
+
+    propagator.propagate_op_sharding_non_cached = spy
+    try:
+        tables.clear_sharding_caches()
+        with verify(raise_on_mismatch=False) as report:
+            for a, b in ((x, y), (y, z), (x, p)):
+                report.mismatches.clear()
+                torch.ops.aten.add.Tensor(a, b)
+                torch.ops.aten.cat.default([a, b], 1)
+    finally:
+        propagator.propagate_op_sharding_non_cached = original
+        tables.clear_sharding_caches()
+    layouts = [layout_of(t.placements, t.shape, mesh.shape) for t in (x, y, z, p)]
+    for a, b in ((0, 1), (1, 2), (0, 3)):
+        out.append((cell_key("aten.add.Tensor", [layouts[a], layouts[b]]), ""))
+        out.append((cell_key("aten.cat.default", [layouts[a], layouts[b]]), ""))
+    return [(key, "seen" if key in seen else "missing") for key, _ in out]
+
+
+def test_verify_and_the_routing_rule_build_the_same_key(pool2: RankPool) -> None:
+    for rank_result in pool2.run(_verify_and_rule_keys):
+        assert rank_result, "no call was propagated"
+        missing = [key for key, state in rank_result if state != "seen"]
+        assert not missing, missing
+
+
+def _round_trip() -> list[str]:
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    from dtensor_patches.cell_record import capture, decode
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    full = torch.linspace(-2, 2, 15).reshape(5, 3)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    partial = DTensor.from_local(full / 2, mesh, [Partial()], run_check=False)
+    args = (sharded, [partial, 3], 2.5, None, torch.float64)
+    full_args = (full, [full, 3], 2.5, None, torch.float64)
+    record = capture("aten.add.Tensor", args, {"alpha": 2}, full_args, {"alpha": 2})
+    assert record is not None
+    problems = []
+    rebuilt = [decode(a, mesh) for a in record["args"]]
+    if rebuilt[0].placements != sharded.placements or not torch.equal(
+        rebuilt[0].full_tensor(), full
+    ):
+        problems.append("sharded input")
+    if rebuilt[1][0].placements != partial.placements or not torch.allclose(
+        rebuilt[1][0].full_tensor(), full
+    ):
+        problems.append("partial input")
+    if rebuilt[1][1] != 3 or rebuilt[2] != 2.5 or rebuilt[3] is not None:
+        problems.append("numbers")
+    if rebuilt[4] is not torch.float64 or decode(record["kwargs"]["alpha"], mesh) != 2:
+        problems.append("dtype or keyword")
+    return problems
+
+
+def test_a_recorded_call_decodes_to_the_same_values_and_layouts(pool2: RankPool) -> None:
+    assert pool2.run(_round_trip) == [[], []]
+
+
+def _families() -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for cell in wrong_cells():
+        if cell.call is not None and cell.call["mesh"] == [2]:
+            out.setdefault(cell.family, []).append(cell)
+    return out
+
+
+FAMILIES = sorted(_families())
+
+
+def _replay_sample(family: str, patched: bool) -> list[tuple[str, str | None]]:
+    import dtensor_patches
+    from dtensor_patches.cell_replay import replay
+    from dtensor_patches.testing import world_mesh
+
+    cells = _families()[family][:4]
+    results = []
+    dtensor_patches.revert_all()  # stock torch (this pool's tests apply in blocks only)
+    if patched:
+        dtensor_patches.apply_all()
+    try:
+        for cell in cells:
+            results.append((cell.key, replay(cell.call, world_mesh())))  # type: ignore[arg-type]
+    finally:
+        dtensor_patches.revert_all()
+    return results
+
+
+@pytest.mark.skipif(not FAMILIES, reason="no wrong cell recorded for this torch release")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_formerly_wrong_cells_give_the_single_device_result(pool2: RankPool, family: str) -> None:
+    for rank_result in pool2.run(_replay_sample, family, True):
+        # Right, or the library's clear error where no correct result exists (an ``out=`` or
+        # in-place write that would change a DTensor's shape).
+        wrong = [
+            (key, problem)
+            for key, problem in rank_result
+            if problem is not None and not problem.startswith("raises PatchError")
+        ]
+        assert not wrong, wrong
+
+
+@pytest.mark.skipif(not FAMILIES, reason="no wrong cell recorded for this torch release")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stock_torch_still_gets_the_recorded_cells_wrong(pool2: RankPool, family: str) -> None:
+    for rank_result in pool2.run(_replay_sample, family, False):
+        right = [key for key, problem in rank_result if problem is None]
+        assert not right, f"torch now gets these right: regenerate the table: {right}"

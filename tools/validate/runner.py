@@ -1,0 +1,266 @@
+"""Per rank: run op_db samples through every placement pattern and variant under
+``dtensor_patches.verify``; collect the cells it finds wrong."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import random
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from tools.sweep.catalog import ATOL, RTOL, categorize
+from tools.sweep.runner import _compare, _first_line, _map, _op_db, _tensors
+from tools.validate.layouts import PATTERNS, make_dtensor, placements_for
+
+
+@dataclasses.dataclass
+class Options:
+    """What one validation runs (sent to every rank)."""
+
+    patterns: tuple[str, ...] = PATTERNS
+    variants: tuple[str, ...] = ("function", "inplace", "out")
+    backward: bool = True
+    max_samples: int = 3
+    max_candidates: int = 24
+    apply_patches: bool = False
+    without_routing: bool = False
+
+
+def family_of(aten_op: str, opinfo_name: str) -> str:
+    """The op family a cell is reported under: its aten packet's sweep category, else its
+    OpInfo's."""
+    packet = aten_op.split(".")[1] if aten_op.count(".") >= 2 else aten_op
+    family = categorize(packet.rstrip("_"))
+    if family == categorize("__none__"):
+        family = categorize(opinfo_name)
+    return family
+
+
+def _samples(op: Any, options: Options) -> list[Any]:
+    import torch
+
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        if dtype in op.supported_dtypes("cpu"):
+            break
+    else:
+        return []
+    grad = options.backward and op.supports_autograd and dtype.is_floating_point
+    torch.manual_seed(0)
+    random.seed(0)
+    samples = op.sample_inputs("cpu", dtype, requires_grad=grad)
+    return list(itertools.islice(samples, options.max_candidates))
+
+
+def _usable(sample: Any) -> bool:
+    return not sample.kwargs.get("dropout_p", 0)
+
+
+_LOW_PRECISION = ("float16", "bfloat16")
+
+OUT_OF_SCOPE = ("fft.",)
+"""OpInfos not validated: the FFTs compute on complex intermediates (conjugate views), which
+the validator's real-valued samples do not aim at and the recorded calls cannot hold."""
+
+
+def _call(variant: str, op: Any) -> Callable[..., Any] | None:
+    if variant == "inplace":
+        return op.inplace_variant
+    if variant == "out":
+        return op.op if op.supports_out else None
+    return op.op
+
+
+def _float_outputs(out: Any) -> list[Any]:
+    return [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
+
+
+def _seed(outputs: list[Any]) -> Any:
+    """The scalar whose backward is checked: each output summed in float64, so a half or
+    bfloat16 output's sum over shards is not compared with rounding in it."""
+    import torch
+
+    return sum(o.to(torch.float64).sum() for o in outputs)
+
+
+def _one(
+    op: Any, fn: Callable[..., Any], sample: Any, pattern: str, variant: str, backward: bool
+) -> dict[str, Any]:
+    """Run one (sample, pattern, variant); the cells found wrong and the outcome."""
+    import torch
+
+    from dtensor_patches import verify
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    parts = (sample.input, tuple(sample.args), dict(sample.kwargs))
+    tensors = list(_tensors(parts))
+    if variant != "out" and not tensors:
+        return {"outcome": "skipped"}
+    placements = iter(placements_for(pattern, tensors))
+    grad = backward and variant == "function" and any(t.requires_grad for t in tensors)
+    plain = _map(copy.deepcopy(_map(parts, lambda t: t.detach())), lambda t: t.clone())
+    if grad:
+        plain = _map(plain, lambda t: t.requires_grad_(t.is_floating_point()))
+    try:
+        with torch.no_grad() if not grad else torch.enable_grad():
+            expected = fn(plain[0], *plain[1], **plain[2])
+        if variant == "inplace":
+            expected = plain[0]
+        plain_outputs = _float_outputs(expected) if grad else []
+        if grad and plain_outputs:
+            _seed(plain_outputs).backward()
+    except Exception as exc:  # noqa: BLE001 - no single-device reference: nothing to judge
+        return {"outcome": "skipped", "error": f"reference: {_first_line(exc)}"}
+    try:
+        dist_parts = _map(parts, lambda t: make_dtensor(t, next(placements), mesh, grad))
+    except Exception as exc:  # noqa: BLE001 - inputs torch cannot distribute test no op
+        return {"outcome": "skipped", "error": f"distribute_tensor: {_first_line(exc)}"}
+    kwargs = dict(dist_parts[2])
+    if variant == "out":
+        if not isinstance(expected, torch.Tensor) or expected.dim() == 0:
+            return {"outcome": "skipped"}
+        first = placements_for(pattern, [expected])[0]
+        if first.startswith("P."):
+            first = "R"
+        kwargs["out"] = make_dtensor(torch.zeros_like(expected), first, mesh, False)
+    cells: dict[str, dict[str, Any]] = {}
+    outcome = "ok"
+    error = ""
+    report = None
+    try:
+        with (
+            warnings.catch_warnings(),
+            verify(
+                raise_on_mismatch=False, trace_backward=False, keep_calls=True, atol=ATOL, rtol=RTOL
+            ) as report,
+        ):
+            warnings.simplefilter("ignore")
+            actual = fn(dist_parts[0], *dist_parts[1], **kwargs)
+            if variant == "inplace":
+                actual = dist_parts[0]
+            elif variant == "out":
+                actual = kwargs["out"]
+            outputs = _float_outputs(actual) if grad else []
+            if outputs:
+                _seed(outputs).backward()
+        problem = _compare(actual, expected)
+        if grad and problem is None:
+            for got, want in zip(_tensors(dist_parts), _tensors(plain), strict=True):
+                if want.grad is not None:
+                    problem = _compare(got.grad, want.grad, "grad")
+                    if problem:
+                        break
+    except Exception as exc:  # noqa: BLE001 - a refusal is the fallback's business, not a cell
+        outcome, error = "raises", f"{type(exc).__name__}: {_first_line(exc)}"
+        problem = None
+    for index, mismatch in enumerate(getattr(report, "mismatches", [])):
+        if not mismatch.cell:
+            # The ranks disagreed on an input's spec before the call could run: the call
+            # that made that input is the wrong one, and it was not seen alone here.
+            problem = problem or f"{mismatch.op}: {mismatch.problem[:200]}"
+            continue
+        if index and "disagree" in mismatch.problem:
+            continue  # a consequence of the first mismatch, not a cell of its own
+        if "values differ" in mismatch.problem and any(
+            low in text for text in mismatch.inputs + mismatch.outputs for low in _LOW_PRECISION
+        ):
+            continue  # a half-precision sum over shards rounds in another order: not a bug
+        cells.setdefault(
+            mismatch.cell,
+            {
+                "key": mismatch.cell,
+                "op": mismatch.op,
+                "phase": mismatch.phase,
+                "problem": mismatch.problem[:300],
+                "call": mismatch.call,
+            },
+        )
+    if cells:
+        outcome = "wrong"
+    elif problem:
+        # Wrong at the end but no single call was: a composition no op-level check sees (a
+        # pending reduction lost between calls, a gradient accumulated twice).
+        outcome = "wrong-unattributed"
+        error = problem
+    return {"outcome": outcome, "error": error, "cells": list(cells.values())}
+
+
+def validate_ops(keys: list[str], options: Options) -> list[dict[str, Any]]:
+    """Per-rank entry point: one record per OpInfo in ``keys`` (every rank returns the same,
+    the union of what each rank found)."""
+    import torch
+    import torch.distributed as dist
+
+    if options.apply_patches:
+        import dtensor_patches
+        from dtensor_patches.registry import all_patches
+
+        routing = [p.name for p in all_patches() if p.name.startswith("wrong_cells_")]
+        dtensor_patches.apply_all(exclude=routing if options.without_routing else ())
+    torch.set_num_threads(1)
+    table = _op_db()
+    world = dist.get_world_size()
+    records = []
+    for key in keys:
+        op = table[key]
+        start = time.perf_counter()
+        if key.startswith(OUT_OF_SCOPE):
+            records.append({"opinfo": key, "outcomes": {}, "cells": [], "unattributed": []})
+            continue
+        record: dict[str, Any] = {"opinfo": key, "outcomes": {}, "cells": {}, "unattributed": []}
+        try:
+            samples = [s for s in _samples(op, options) if _usable(s)]
+        except Exception as exc:  # noqa: BLE001 - a broken sample generator tests nothing
+            samples = []
+            record["error"] = f"sample_inputs: {_first_line(exc)}"
+        lengths: list[Any] = [None] * world
+        dist.all_gather_object(lengths, len(samples))
+        samples = samples[: min(lengths)]
+        for variant in options.variants:
+            fn = _call(variant, op)
+            if fn is None:
+                continue
+            for pattern in options.patterns:
+                seen: set[tuple[str, ...]] = set()
+                used = 0
+                for index, sample in enumerate(samples):
+                    if used >= options.max_samples:
+                        break
+                    tensors = list(_tensors((sample.input, sample.args, sample.kwargs)))
+                    shape = placements_for(pattern, tensors)
+                    if shape in seen and pattern != "R":
+                        continue  # the same layout as a pattern already run on this sample
+                    seen.add(shape)
+                    result = _one(op, fn, sample, pattern, variant, options.backward)
+                    gathered: list[Any] = [None] * world
+                    dist.all_gather_object(gathered, result)
+                    if all(r["outcome"] == "skipped" for r in gathered):
+                        continue
+                    used += 1
+                    for r in gathered:
+                        record["outcomes"][r["outcome"]] = (
+                            record["outcomes"].get(r["outcome"], 0) + 1
+                        )
+                        found_by = f"{key}[{index}] {variant} {pattern}"
+                        for cell in r.get("cells", []):
+                            entry = record["cells"].setdefault(
+                                cell["key"],
+                                {
+                                    **cell,
+                                    "family": family_of(cell["op"], op.name),
+                                    "found_by": f"{found_by} {cell['phase']}",
+                                },
+                            )
+                            if entry.get("call") is None and cell.get("call") is not None:
+                                entry["call"] = cell["call"]
+                        if r["outcome"] == "wrong-unattributed":
+                            record["unattributed"].append(f"{found_by}: {r['error']}")
+        record["cells"] = list(record["cells"].values())
+        record["unattributed"] = sorted(set(record["unattributed"]))
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        records.append(record)
+    return records

@@ -1,0 +1,285 @@
+"""``python -m tools.validate.table``: one release's validator runs -> its entry of
+``dtensor_patches/data/wrong_cells.json``, and ``docs/cells.md`` rendered from every entry.
+
+Three runs of ``python -m tools.validate`` per release (the last two on the OpInfos where the
+first found anything):
+
+- ``--stock``: stock torch: the wrong cells of the release;
+- ``--patched``: ``--apply-patches`` with the ``wrong_cells_*`` patches excluded
+  (``DTENSOR_PATCHES_DISABLE``): a stock cell still wrong here is *routed*;
+- ``--final``: ``--apply-patches`` with everything: what is still wrong after ``apply_all()``
+  (the goal is nothing).
+
+    python -m tools.validate.table --torch 2.13.0 --stock s.jsonl --patched p.jsonl --final f.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).resolve().parents[2] / "dtensor_patches" / "data" / "wrong_cells.json"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cells.md"
+
+
+def _read(path: Path | None) -> list[dict[str, Any]]:
+    if path is None or not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _low_precision(call: Any) -> bool:
+    if isinstance(call, dict):
+        if call.get("dtype") in ("float16", "bfloat16"):
+            return True
+        return any(_low_precision(v) for v in call.values())
+    if isinstance(call, list):
+        return any(_low_precision(v) for v in call)
+    return False
+
+
+def _cells(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every cell of ``records`` by key (the first sample's record of it), without the value
+    differences of half-precision calls (a sum over shards rounds in another order)."""
+    out: dict[str, dict[str, Any]] = {}
+    for record in records:
+        for cell in record["cells"]:
+            if "values differ" in cell["problem"] and _low_precision(cell.get("call")):
+                continue
+            out.setdefault(cell["key"], cell)
+    return out
+
+
+def _unattributed(records: list[dict[str, Any]]) -> list[str]:
+    return sorted({u for r in records for u in r.get("unattributed", [])})
+
+
+def replay_on_rank(calls: dict[str, Any], setting: str) -> dict[str, str | None]:
+    """Per rank: each recorded call replayed alone (``cell_replay.replay``) on stock torch
+    (``"stock"``), with the hand-written patches (``"patches"``: every patch but the
+    ``wrong_cells_*`` ones) or with everything (``"all"``); what differs, per cell key."""
+    import dtensor_patches
+    from dtensor_patches.cell_replay import replay
+    from dtensor_patches.registry import all_patches
+    from dtensor_patches.testing import world_mesh
+
+    dtensor_patches.revert_all()
+    if setting == "patches":
+        routing = [p.name for p in all_patches() if p.name.startswith("wrong_cells_")]
+        dtensor_patches.apply_all(exclude=routing)
+    elif setting == "all":
+        dtensor_patches.apply_all()
+    out: dict[str, str | None] = {}
+    try:
+        for key, call in calls.items():
+            try:
+                out[key] = replay(call, world_mesh())
+            except Exception as exc:  # noqa: BLE001 - a call that cannot be rebuilt
+                out[key] = f"cannot replay: {type(exc).__name__}: {str(exc)[:120]}"
+    finally:
+        dtensor_patches.revert_all()
+    return out
+
+
+def replays(calls: dict[str, Any], setting: str) -> dict[str, str | None]:
+    """:func:`replay_on_rank` on a fresh 2-rank pool (fresh: the patches are built from the
+    data file as it is now); a cell counts as wrong if any rank saw it wrong."""
+    from dtensor_patches.testing import RankPool
+
+    if not calls:
+        return {}
+    with RankPool(2, timeout=600) as pool:
+        results = pool.run(replay_on_rank, calls, setting)
+    return {key: next((r[key] for r in results if r[key] is not None), None) for key in calls}
+
+
+def release_entry(
+    torch_version: str,
+    stock: list[dict[str, Any]],
+    patched: list[dict[str, Any]],
+    final: list[dict[str, Any]],
+    *,
+    replay: bool = True,
+) -> dict[str, Any]:
+    """The table entry of one release from its three runs.
+
+    A cell is *routed* when its recorded call, replayed alone, is wrong on stock torch and
+    still wrong with the hand-written patches: a confirmed bug no patch fixes, with a tripwire.
+    A cell whose call is right when replayed alone was wrong only in the context of its sample
+    (a view's base, an earlier op): it is listed, not routed (routing a cell on a suspicion
+    would send correct calls of common ops to the fallback)."""
+    stock_cells = _cells(stock)
+    patched_cells = _cells(patched)
+    final_cells = _cells(final)
+    calls = {k: c["call"] for k, c in stock_cells.items() if c.get("call")}
+    on_stock = replays(calls, "stock") if replay else {}
+    confirmed = {k: calls[k] for k in calls if on_stock.get(k) is not None}
+    with_patches = replays(confirmed, "patches") if replay else {}
+    cells = []
+    for key, cell in sorted(stock_cells.items()):
+        alone = key in confirmed
+        cells.append(
+            {
+                "key": key,
+                "op": cell["op"],
+                "family": cell["family"],
+                "problem": cell["problem"],
+                "found_by": cell["found_by"],
+                "replays_alone": alone,
+                "routed": alone and with_patches.get(key) is not None,
+                "call": cell.get("call") if alone else None,
+            }
+        )
+    outcomes: Counter[str] = Counter()
+    for record in stock:
+        outcomes.update(record.get("outcomes", {}))
+    return {
+        "torch": torch_version,
+        "opinfos": len(stock),
+        "outcomes": dict(outcomes),
+        "cells": cells,
+        "introduced_by_patches": sorted(set(patched_cells) - set(stock_cells)),
+        "after_apply_all": sorted(final_cells),
+        "families_after_apply_all": dict(Counter(c["family"] for c in final_cells.values())),
+        "unattributed_stock": _unattributed(stock),
+        "unattributed_after_apply_all": _unattributed(final),
+        "crashed_or_timed_out": sorted(
+            r["opinfo"] for r in stock if {"crash", "timeout"} & set(r.get("outcomes", {}))
+        ),
+    }
+
+
+def render(data: dict[str, Any]) -> str:
+    """``docs/cells.md`` from the whole table."""
+    from packaging.version import Version
+
+    releases = sorted(data.get("releases", {}), key=Version)
+    lines = [
+        "# Cells torch's own strategies get wrong, per release",
+        "",
+        "Generated by `python -m tools.validate.table` from the strategy validator's runs",
+        "(`python -m tools.validate`, see its module doc): torch's `op_db` samples on a 1-D",
+        "2-rank CPU gloo mesh, every tensor argument a DTensor under each placement pattern",
+        "(`Shard` of every dim, first-sharded and first-replicated mixes, `Replicate()`,",
+        "`Partial` of sum/avg/max/min; op_db's sizes give uneven and empty shards), as a",
+        "function, in place and with a DTensor `out=`, forward and backward, every DTensor call",
+        "checked by `dtensor_patches.verify` against the same op on full plain tensors.",
+        "A cell is an op with the layouts of its DTensor inputs (`~`: a dim the mesh does not",
+        "divide); see `dtensor_patches/cells.py`. *Routed*: left wrong by the hand-written",
+        "patches, sent to the fallback's computation by `wrong_cells_<family>`. The data, with",
+        "each cell's recorded call (its tripwire), is `dtensor_patches/data/wrong_cells.json`.",
+        "",
+        "Columns: the wrong cells the samples showed on stock torch; of them, those whose",
+        "recorded call is wrong when replayed alone (confirmed: each has a tripwire) and the",
+        "rest (wrong only in their sample's context: listed, not routed); of the confirmed,",
+        "those the hand-written patches fix and those routed; then, after `apply_all()`, the",
+        "routed cells that raise a clear error and those still wrong, replayed alone; the cells",
+        "still wrong in the samples; and the cells wrong only with the patches applied.",
+        "",
+        "| release | OpInfos | wrong cells | confirmed alone | context only | fixed by patches | "
+        "routed | routed: a clear error | routed, still wrong | wrong in samples after "
+        "`apply_all()` | only with patches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for release in releases:
+        entry = data["releases"][release]
+        cells = entry["cells"]
+        confirmed = sum(c.get("replays_alone", False) for c in cells)
+        routed = sum(c["routed"] for c in cells)
+        lines.append(
+            f"| {entry['torch']} | {entry['opinfos']} | {len(cells)} | {confirmed} | "
+            f"{len(cells) - confirmed} | {confirmed - routed} | {routed} | "
+            f"{len(entry.get('routed_clear_errors', []))} | "
+            f"{len(entry.get('routed_after_apply_all', []))} | {len(entry['after_apply_all'])} | "
+            f"{len(entry['introduced_by_patches'])} |"
+        )
+    lines += ["", "## By op family (stock / after `apply_all()`)", ""]
+    families = sorted({c["family"] for r in releases for c in data["releases"][r]["cells"]})
+    lines.append("| family | " + " | ".join(releases) + " |")
+    lines.append("|---|" + "---|" * len(releases))
+    for family in families:
+        row = []
+        for release in releases:
+            entry = data["releases"][release]
+            stock = sum(c["family"] == family for c in entry["cells"])
+            after = entry.get("families_after_apply_all", {}).get(family, 0)
+            row.append(f"{stock} / {after}")
+        lines.append(f"| {family} | " + " | ".join(row) + " |")
+    for release in releases:
+        entry = data["releases"][release]
+        lines += ["", f"## {entry['torch']}", ""]
+        if not entry["cells"]:
+            lines.append("No wrong cell found.")
+        for cell in entry["cells"]:
+            if not cell.get("replays_alone", False):
+                how = "wrong only in its sample's context: not routed"
+            else:
+                how = "routed" if cell["routed"] else "fixed by the hand-written patches"
+            lines.append(
+                f"- `{cell['key']}` ({cell['family']}, {how}): {cell['problem']} "
+                f"[{cell['found_by']}]"
+            )
+        for title, items in (
+            (
+                "Routed, and still wrong replayed alone after `apply_all()`",
+                entry.get("routed_after_apply_all", []),
+            ),
+            (
+                "Routed, and a clear error after `apply_all()` (no correct result exists: an "
+                "in-place write cannot change a DTensor's shape)",
+                entry.get("routed_clear_errors", []),
+            ),
+            ("Still wrong in the samples after `apply_all()`", entry["after_apply_all"]),
+            ("Wrong only with the patches applied", entry["introduced_by_patches"]),
+            ("Wrong at the end with no single call wrong (stock)", entry["unattributed_stock"]),
+            (
+                "Wrong at the end with no single call wrong (after `apply_all()`)",
+                entry["unattributed_after_apply_all"],
+            ),
+            ("OpInfos whose ranks crashed or hung (not validated)", entry["crashed_or_timed_out"]),
+        ):
+            if items:
+                lines += ["", f"{title}:", ""] + [f"- {item}" for item in items]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.validate.table", description=__doc__)
+    parser.add_argument("--torch", required=True, help="the release measured, e.g. 2.13.0")
+    parser.add_argument("--stock", type=Path)
+    parser.add_argument("--patched", type=Path)
+    parser.add_argument("--final", type=Path)
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    args = parser.parse_args(argv)
+    from packaging.version import Version
+
+    data = json.loads(args.data.read_text()) if args.data.exists() else {"releases": {}}
+    if args.stock is not None:
+        version = Version(args.torch)
+        data.setdefault("releases", {})[f"{version.major}.{version.minor}"] = release_entry(
+            args.torch, _read(args.stock), _read(args.patched), _read(args.final)
+        )
+    args.data.write_text(json.dumps(data, indent=None, separators=(",", ":")) + "\n")
+    if args.stock is not None and args.final is not None:
+        # Now that the data routes them, each routed cell replayed alone with everything on.
+        entry = data["releases"][f"{version.major}.{version.minor}"]
+        routed = {c["key"]: c["call"] for c in entry["cells"] if c["routed"]}
+        after = replays(routed, "all")
+        entry["routed_after_apply_all"] = sorted(
+            k for k, v in after.items() if v is not None and not v.startswith("raises")
+        )
+        entry["routed_clear_errors"] = sorted(
+            f"{k}: {v}" for k, v in after.items() if v is not None and v.startswith("raises")
+        )
+        args.data.write_text(json.dumps(data, indent=None, separators=(",", ":")) + "\n")
+    args.docs.write_text(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
