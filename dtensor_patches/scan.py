@@ -444,7 +444,15 @@ def _wrong_cells(call: Call, facts: Mapping[str, Any]) -> list[Finding]:
         cell = by_key.get(key)
         if cell is None:
             continue
-        fix = (family_patch_name(cell.family),) if cell.routed else ()
+        if cell.routed:
+            fix: tuple[str, ...] = (family_patch_name(cell.family),)
+        else:
+            # Measured fixed by the hand-written patches: those in gate there that touch the op.
+            fix = tuple(
+                name
+                for name, p in facts["patches"].items()
+                if p["in_gate"] and (call.op in p["ops"] or call.op in p["installs"])
+            ) or ("apply_all",)
         how = "" if cell.routed else "; fixed by the library's hand-written patches"
         detail = f"{key}: {cell.problem} (measured by tools/validate{how})"
         found.append(Finding(call, "wrong", fix, certain=True, detail=detail))

@@ -1,0 +1,56 @@
+"""The strategy validator (``python -m tools.validate``) on a real 2-rank gloo mesh: it finds
+a wrong cell stock torch has on every release (``fill_`` of a ``Partial(sum)`` target, which
+fills every rank's share: the ``inplace_writes`` patch fixes it), records a call that replays
+alone, and finds nothing with ``apply_all()``."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtensor_patches.testing import RankPool
+
+pytest.importorskip("expecttest", reason="torch's op_db needs expecttest")
+
+
+def _run(apply_patches: bool) -> list[dict]:
+    from tools.validate.runner import Options, validate_ops
+
+    options = Options(
+        patterns=("R", "P.sum"),
+        variants=("inplace",),
+        backward=False,
+        max_samples=1,
+        apply_patches=apply_patches,
+    )
+    try:
+        return validate_ops(["fill"], options)
+    finally:
+        import dtensor_patches
+
+        dtensor_patches.revert_all()
+
+
+def _replays(call: dict) -> str | None:
+    from dtensor_patches.cell_replay import replay
+    from dtensor_patches.testing import world_mesh
+
+    return replay(call, world_mesh())
+
+
+def test_the_validator_finds_a_stock_wrong_cell_and_records_its_call(pool2: RankPool) -> None:
+    records = pool2.run(_run, False)
+    timeless = [[{k: v for k, v in r.items() if k != "seconds"} for r in rank] for rank in records]
+    assert timeless[0] == timeless[1], "every rank returns the same record"
+    cells = {c["key"]: c for c in records[0][0]["cells"]}
+    assert "aten.fill_.Scalar(P.sum)" in cells, sorted(cells)
+    cell = cells["aten.fill_.Scalar(P.sum)"]
+    assert "values differ" in cell["problem"] and cell["call"] is not None
+    # The recorded call alone shows the same wrong result on stock torch, on every rank.
+    problems = pool2.run(_replays, cell["call"])
+    assert problems[0] is not None and problems[0] == problems[1]
+
+
+def test_the_validator_finds_nothing_wrong_with_apply_all(pool2: RankPool) -> None:
+    records = pool2.run(_run, True)
+    assert records[0][0]["cells"] == [], records[0][0]["cells"]
+    assert records[0][0]["outcomes"].get("ok", 0) > 0
