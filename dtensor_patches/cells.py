@@ -11,11 +11,13 @@ many strategies go wrong. The key reads ``aten.squeeze.dim(S0~)``,
 
 ``tools/validate`` measures, on each release, which cells torch's registered strategies and
 handlers get wrong (values, shape, dtype, or local shards that disagree with the spec) against
-the single device, and writes them to ``data/wrong_cells.json``. The patch
-``wrong_strategy_cells`` routes exactly those cells to the fallback's computation on the
-releases where they are wrong; :func:`dtensor_patches.verify` names a mismatch it finds in
-the table as known; ``dtensor-patches check --cells`` replays each recorded cell on stock
-torch and says *stale* the day a release gets it right.
+the single device, and writes them to ``data/wrong_cells.json``, each with its recorded call,
+replayed alone to confirm it. The ``wrong_cells_<family>`` patches route the confirmed cells
+the hand-written patches leave wrong to the fallback's computation, on the releases where
+they are wrong; their tripwires (``dtensor-patches check``) replay each recorded call on stock
+torch and say *stale* the day a release gets one right. :func:`dtensor_patches.verify` marks a
+mismatch whose cell is in the table as known, and ``scan()`` reports recorded calls whose
+cells are in it.
 
 Pure bookkeeping: placements are read through their public attributes (``is_shard()``,
 ``dim``, ``reduce_op``), no private torch name is touched here.
