@@ -20,7 +20,10 @@ registered patch whose ``ops`` include one of them. CI re-records it
 - ``mean_uneven``: ``mean.dim`` (RMSNorm);
 - ``mask_partial_reduced_first`` and ``tp_tied_weights``: ``embedding`` /
   ``embedding_dense_backward`` (the vocab-sharded embedding under TP);
-- ``t_of_vector``: ``t`` (the linear layers' weights).
+- ``t_of_vector``: ``t`` (the linear layers' weights);
+- ``wrong_cells_other`` and ``wrong_cells_scans`` (issue 19): ``addcdiv_``, ``addmm``,
+  ``add.Tensor`` are among the ops of their routed cells (the record is by op; the critic's
+  own cells of those ops are right, so they divert none of its calls).
 
 The grad norm no longer stacks per-tensor norms (``dtensor_patches.grad_norm``), so
 ``stack_dim`` left the set.
@@ -48,6 +51,8 @@ CRITIC_PATCHES: frozenset[str] = frozenset(
         "partial_item",
         "t_of_vector",
         "tp_tied_weights",
+        "wrong_cells_other",
+        "wrong_cells_scans",
     }
 )
 
