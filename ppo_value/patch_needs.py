@@ -21,9 +21,9 @@ registered patch whose ``ops`` include one of them. CI re-records it
 - ``mask_partial_reduced_first`` and ``tp_tied_weights``: ``embedding`` /
   ``embedding_dense_backward`` (the vocab-sharded embedding under TP);
 - ``t_of_vector``: ``t`` (the linear layers' weights);
-- ``wrong_cells_other`` and ``wrong_cells_scans`` (issue 19): ``addcdiv_``, ``addmm``,
-  ``add.Tensor`` are among the ops of their routed cells (the record is by op; the critic's
-  own cells of those ops are right, so they divert none of its calls).
+- ``wrong_cells_other`` and ``wrong_cells_scans`` (issue 19): ``addmm`` and ``add.Tensor``
+  are among the ops of their routed cells (the record is by op, not by cell: only calls of
+  those exact cells are diverted, and the critic's results equal the single device's).
 
 The grad norm no longer stacks per-tensor norms (``dtensor_patches.grad_norm``), so
 ``stack_dim`` left the set.
