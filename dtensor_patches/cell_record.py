@@ -25,7 +25,7 @@ import torch
 from dtensor_patches._torch.dtensors import dtensor_class
 from dtensor_patches.cells import layout_of
 
-__all__ = ["MAX_ELEMENTS", "NotRecordable", "capture", "decode"]
+__all__ = ["MAX_ELEMENTS", "NotRecordable", "capture", "decode", "partial_local"]
 
 MAX_ELEMENTS = 4096
 """The most tensor elements a recorded call holds (keeps the shipped table small)."""
@@ -128,7 +128,9 @@ def _placements(layout: str) -> list[Any]:
     return out
 
 
-def _partial_local(full: torch.Tensor, placements: Sequence[Any], mesh: Any) -> torch.Tensor:
+def partial_local(full: torch.Tensor, placements: Sequence[Any], mesh: Any) -> torch.Tensor:
+    """This rank's share of ``full`` under ``placements``' ``Partial`` mesh dims (see the module
+    doc: sum divides, avg repeats, max/min offset the other coordinates)."""
     local = full
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim
     for mesh_dim, placement in enumerate(placements):
@@ -168,7 +170,7 @@ def decode(value: Any, mesh: Any) -> Any:
             # Shard first (a replicated spec with the shards' dims), then the partial shares.
             plain = [Replicate() if p.is_partial() else p for p in placements]
             sharded = distribute_tensor(full, mesh, plain)
-            local = _partial_local(sharded.to_local(), placements, mesh)
+            local = partial_local(sharded.to_local(), placements, mesh)
             return DTensor.from_local(
                 local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
             )

@@ -60,15 +60,11 @@ def make_dtensor(t: Any, placement: str, mesh: Any, requires_grad: bool) -> Any:
     elif placement.startswith("S"):
         out = distribute_tensor(t, mesh, [Shard(int(placement[1:]))])
     else:
-        op = placement[2:]
-        first = mesh.get_local_rank() == 0
-        local = {
-            "sum": t / mesh.size(),
-            "avg": t,
-            "max": t if first else t - 1,
-            "min": t if first else t + 1,
-        }[op]
-        out = DTensor.from_local(local.contiguous(), mesh, [Partial(op)], run_check=False)
+        from dtensor_patches.cell_record import partial_local
+
+        partial = [Partial(placement[2:])]
+        local = partial_local(t, partial, mesh)
+        out = DTensor.from_local(local.contiguous(), mesh, partial, run_check=False)
     if requires_grad and (t.is_floating_point() or t.is_complex()):
         out = out.detach().requires_grad_(True)
     return out
