@@ -19,6 +19,7 @@ from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches._torch.versions import release_of, torch_release
 from dtensor_patches.calls import CallPredicate, needs_sharded_inputs
 from dtensor_patches.dispatch import registration
+from dtensor_patches.dispatch.cache_key import CacheKey
 from dtensor_patches.dispatch.handler import ContextParallelHandler, Handler, LossParallelHandler
 from dtensor_patches.dispatch.miss_rules import MissRule
 from dtensor_patches.dispatch.registration import Registration
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REGISTRY_LOCK",
+    "CacheKey",
     "ContextParallelHandler",
     "Handler",
     "LossParallelHandler",

@@ -31,6 +31,7 @@ __all__ = [
     "is_view_op",
     "op_arguments",
     "out_variant",
+    "positional_argument_types",
     "resolve_op",
     "tree_flatten",
     "tree_leaves",
@@ -81,6 +82,19 @@ def written_positions(op: OpOverload) -> tuple[int, ...]:
 def argument_names(op: OpOverload) -> tuple[str, ...]:
     """The names of ``op``'s arguments, in schema order."""
     return tuple(a.name for a in _schema(op).arguments)
+
+
+@functools.cache
+def positional_argument_types(op: OpOverload) -> tuple[str, ...]:
+    """The schema types of ``op``'s arguments that may be passed by position (up to the first
+    keyword-only one), as the schema prints them (``"Tensor"``, ``"int"``, ``"SymInt[]"``,
+    ``"Optional[int]"``; a ``ScalarType``, ``Layout`` or ``MemoryFormat`` is an ``"int"``)."""
+    types = []
+    for argument in _schema(op).arguments:
+        if argument.kwarg_only:
+            break
+        types.append(str(argument.type))
+    return tuple(types)
 
 
 @functools.cache

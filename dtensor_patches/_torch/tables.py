@@ -30,6 +30,7 @@ __all__ = [
     "HANDLERS",
     "LOSS_PARALLEL_HANDLERS",
     "OP_TABLES",
+    "SCHEMA_INFO_TABLES",
     "STRATEGY_TABLES",
     "Tables",
     "clear_sharding_caches",
@@ -44,6 +45,8 @@ __all__ = [
     "register_custom_handler",
     "register_strategy",
     "registry_state",
+    "schema_infos",
+    "set_static_argnum",
     "sharding_propagator",
     "table_names",
     "tables",
@@ -65,6 +68,11 @@ STRATEGY_TABLES = (
     "propagator.op_single_dim_strategy_funcs",
 )
 HANDLERS = "dispatcher._custom_op_handlers"
+SCHEMA_INFO_TABLES = (
+    "propagator.op_to_schema_info",
+    "propagator.op_to_schema_info_for_single_dim_strategy",  # 2.11+
+)
+"""op -> ``RuntimeSchemaInfo``: which non-tensor arguments key the propagation cache."""
 LOSS_PARALLEL_HANDLERS = "loss_parallel.customized_loss_ops"
 """``loss_parallel()``'s op -> handler dict (installed into the handler table on entering the
 block and popped on leaving it, 2.9 to 2.15)."""
@@ -381,3 +389,37 @@ def native_registry(added: Callable[[str, Any], bool]) -> dict[str, list[str]]:
                     ops.add(str(op))
         out[kind] = sorted(ops)
     return out
+
+
+def schema_infos() -> dict[str, dict[OpOverload, Any]]:
+    """Each of :data:`SCHEMA_INFO_TABLES` this release has, by name: op ->
+    ``RuntimeSchemaInfo`` (``static_argnum``: every positional argument from this index on
+    keys the propagation cache, besides the tensors; ``static_kwargkey``: the keyword
+    arguments that do). The live dicts.
+
+    Raises:
+        PatchError: ``op_to_schema_info`` moved.
+    """
+    directory = tables()
+    present = set(table_names())
+    return {name: directory[name] for name in SCHEMA_INFO_TABLES if name in present}  # type: ignore[misc]
+
+
+def set_static_argnum(table: str, op: OpOverload, static_argnum: int) -> None:
+    """Key ``op``'s cached decisions by its positional arguments from ``static_argnum`` on: its
+    ``RuntimeSchemaInfo`` in ``table`` (one of :data:`SCHEMA_INFO_TABLES`) replaced by a copy
+    with that ``static_argnum``, every other field kept.
+
+    Raises:
+        PatchError: ``table`` has no entry for ``op``, or the entry has no ``static_argnum``
+            (``RuntimeSchemaInfo`` moved).
+    """
+    import dataclasses
+
+    infos = schema_infos().get(table, {})
+    info: Any = infos.get(op)
+    if info is None or isinstance(info, type) or not dataclasses.is_dataclass(info):
+        raise moved(f"{table}[{op}].static_argnum", "no RuntimeSchemaInfo to re-key")
+    if not hasattr(info, "static_argnum"):
+        raise moved(f"{table}[{op}].static_argnum", "RuntimeSchemaInfo has no static_argnum")
+    infos[op] = dataclasses.replace(info, static_argnum=static_argnum)  # type: ignore[type-var]

@@ -17,7 +17,9 @@ From user code to the result, a call such as ``torch.add(x, y)`` with a DTensor 
    means; with the fallback on, an ambiguous one raises
    :class:`~dtensor_patches.errors.MixedTensorError` (:mod:`.mixed`; the Python path only).
 4. **A cached decision** (torch's propagation cache; C++ from 2.10): the call runs as decided
-   before, untouched by the library. This is the hot path, and nothing here adds to it.
+   before, untouched by the library. This is the hot path, and nothing here adds to it. Which
+   arguments key that cache is the op's schema info; :mod:`.cache_key` adds an argument torch
+   leaves out (:class:`~.cache_key.CacheKey`).
 5. **Miss rules** (:mod:`.miss_rules`), on a cache miss only: the op's own rule, then the rules
    for every op; each keeps torch's decision (then cached) or runs the call itself (never
    cached). Reached through the dispatch hook (:mod:`.hook`). A read of a ``Partial``

@@ -78,6 +78,7 @@ from dtensor_patches.patches.reductions import (
     partial_item,
     partial_norms,
     scans,
+    size_arguments_keyed,
     var_mean,
 )
 from dtensor_patches.patches.validated import wrong_cells
@@ -139,6 +140,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         cumsum_inplace.PATCH,
         cumsum_negative_dim.PATCH,
         order_stats.PATCH,
+        size_arguments_keyed.PATCH,
         flip_roll.PATCH,
         sdpa_cpu.PATCH,
         context_parallel_cpu.PATCH,

@@ -1,0 +1,125 @@
+"""A cached sharding decision reused for another integer argument (``size_arguments_keyed``):
+``topk`` with another ``k``, ``kthvalue`` with another ``k``, ``histc`` with other ``bins``,
+called the way user code calls them, against the same calls on plain tensors, on a 2-rank gloo
+mesh; and the patch's reach (every op the rule finds on this release is one it lists) and its
+exact revert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtensor_patches.testing import RankPool
+
+
+def _calls_after_other_values() -> list[tuple[str, list[int], list[int], bool]]:
+    """(what, DTensor shape, expected shape, values equal) for each call, each op called first
+    with another value of its integer argument on the same layouts."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10)  # [batch, vocab], the batch sharded: top-k sampling per row
+    rows = distribute_tensor(logits, mesh, [Shard(0)])
+    out = []
+    for k in (3, 5, 1):
+        values, indices = torch.topk(rows, k, dim=-1)
+        expected = torch.topk(logits, k, dim=-1)
+        out.append(
+            (
+                f"topk k={k}",
+                list(values.shape),
+                [4, k],
+                torch.equal(values.full_tensor(), expected.values)
+                and torch.equal(indices.full_tensor(), expected.indices),
+            )
+        )
+        smallest = rows.topk(k, dim=1, largest=False).values
+        out.append(
+            (
+                f"topk k={k} largest=False",
+                list(smallest.shape),
+                [4, k],
+                torch.equal(smallest.full_tensor(), logits.topk(k, dim=1, largest=False).values),
+            )
+        )
+    for k in (2, 6):
+        try:
+            value = torch.kthvalue(rows, k, dim=1).values
+        except (NotImplementedError, RuntimeError):
+            out.append((f"kthvalue k={k}", [], [4], False))  # stock 2.9-2.12: no strategy
+            continue
+        out.append(
+            (
+                f"kthvalue k={k}",
+                list(value.shape),
+                [4],
+                torch.equal(value.full_tensor(), torch.kthvalue(logits, k, dim=1).values),
+            )
+        )
+    points = torch.tensor([0.5, 1.5, 2.0, 7.0, 9.5])
+    replicated = distribute_tensor(points, mesh, [Replicate()])
+    for bins in (5, 8, 3):
+        counts = torch.histc(replicated, bins=bins, min=0, max=10)
+        out.append(
+            (
+                f"histc bins={bins}",
+                list(counts.shape),
+                [bins],
+                torch.equal(counts.full_tensor(), torch.histc(points, bins=bins, min=0, max=10)),
+            )
+        )
+    return out
+
+
+def _patched_and_stock() -> dict[str, Any]:
+    import dtensor_patches
+    from dtensor_patches._torch import tables
+    from dtensor_patches.patches.reductions import size_arguments_keyed
+
+    dtensor_patches.revert_all()
+    before = {name: dict(infos) for name, infos in tables.schema_infos().items()}
+    stock = _calls_after_other_values()
+    try:
+        dtensor_patches.apply_all(only=["size_arguments_keyed"])
+        patched = _calls_after_other_values()
+        found = size_arguments_keyed.keyed_too_late()
+    finally:
+        dtensor_patches.revert_all()
+    after = {name: dict(infos) for name, infos in tables.schema_infos().items()}
+    restored = all(
+        after[name].get(op) is info for name, infos in before.items() for op, info in infos.items()
+    )
+    return {"stock": stock, "patched": patched, "found": found, "restored": restored}
+
+
+def test_integer_arguments_key_the_decision(pool2: RankPool) -> None:
+    for result in pool2.run(_patched_and_stock):
+        for what, shape, expected, equal in result["patched"]:
+            assert shape == expected and equal, (what, shape, expected)
+        # Stock torch reuses the first call's output spec (what the tripwire watches).
+        wrong = [what for what, shape, expected, _ in result["stock"] if shape != expected]
+        assert any(w.startswith("topk") for w in wrong) and any(
+            w.startswith("histc") for w in wrong
+        ), result["stock"]
+        # Once applied, no registered schema leaves an integer argument out of the key.
+        assert result["found"] == [], result["found"]
+        assert result["restored"], "revert did not put torch's RuntimeSchemaInfo back"
+
+
+def test_every_op_the_rule_finds_is_listed() -> None:
+    """A release whose tables leave another op's integer argument out of the key fails here
+    until the op is in the patch's list (and checked)."""
+    import dtensor_patches
+    from dtensor_patches.patches.reductions import size_arguments_keyed
+
+    dtensor_patches.revert_all()
+    unlisted = [
+        op
+        for _, op, _ in size_arguments_keyed.keyed_too_late()
+        if op not in size_arguments_keyed.OPS
+    ]
+    assert unlisted == []
