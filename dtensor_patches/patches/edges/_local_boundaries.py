@@ -11,8 +11,9 @@ shape: wrong values, or gloo aborts the process in the next all-gather.
 Where the size is already known, and what each path costs:
 
 - **Output boundaries** (a style turning its DTensor output into a local tensor,
-  ``use_local_output=True``) know the global shape: the local tensor is tagged with it (a weak
-  dict entry, and the autograd node's ``metadata`` when it has one). No communication.
+  ``use_local_output=True``) know the global shape: the local tensor is tagged with it (in
+  its autograd node's ``metadata``, or a weak dict entry where it has no node). No
+  communication; about 1 us.
 - **Input boundaries** (a style re-wrapping a plain local tensor) take the global shape from
   the tag of the tensor itself, or of the autograd node of one of its direct inputs with the
   same local shape: ``h = x + attn_out`` inherits ``attn_out``'s tag, so a residual stream
@@ -57,27 +58,54 @@ __all__ = [
 
 _NODE_KEY = "dtensor_patches.global_shape"
 
-# local tensor -> (weak mesh, global shape, local shape) from the boundary that produced it.
+# local tensor without an autograd node -> (weak mesh, global shape, local shape) from the
+# boundary that produced it (a tensor with a node keeps its tag on the node: a dict write,
+# where this weak dict costs a weak reference per write and per lookup).
 _TAGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# meshes on which a boundary met an uneven shard; boundaries (modules, styles, functions)
-# that have been called once.
-_UNEVEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_SEEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(mesh) of meshes on which a boundary met an uneven shard; id(site) -> whether the boundary
+# (a module, a style, a function) is a root, for those called once. Plain dicts by id, the
+# entry dropped when its object dies: these are read on every layer.
+_UNEVEN: dict[int, bool] = {}
+_SEEN: dict[int, bool] = {}
+# id(mesh) -> (weak mesh, the size of each mesh dim): DeviceMesh.size() reads a tensor.
+_SIZES: dict[int, tuple[Any, tuple[int, ...]]] = {}
 _CURRENT = threading.local()
 
 
+def _remember(table: dict[int, bool], owner: Any, value: bool) -> None:
+    """``table[id(owner)] = value``, dropped when ``owner`` dies."""
+    key = id(owner)
+    if key not in table:
+        try:
+            weakref.finalize(owner, table.pop, key, None)
+        except TypeError:  # not weak-referenceable: kept for the process, like the object
+            pass
+    table[key] = value
+
+
+def mesh_sizes(mesh: Any) -> tuple[int, ...]:
+    """The size of each dim of ``mesh``, read once per mesh."""
+    entry = _SIZES.get(id(mesh))
+    if entry is not None and entry[0]() is mesh:
+        return entry[1]
+    sizes = tuple(int(mesh.size(d)) for d in range(mesh.ndim))
+    _SIZES[id(mesh)] = (weakref.ref(mesh), sizes)
+    return sizes
+
+
 class boundary:
-    """``with boundary(site, last_dim=n) as built:`` marks this thread as inside the boundary
-    ``site`` (a module, a style, a ``local_map`` function); ``last_dim``: the global size of
-    the last dim of its input where the module knows it (a ``RowwiseParallel`` linear's
-    ``in_features``). ``built`` collects the global shapes of the DTensors ``from_local``
-    builds in it. A class, not a generator: it runs on every layer."""
+    """``with boundary(site, last_dim_of=f) as built:`` marks this thread as inside the
+    boundary ``site`` (a module, a style, a ``local_map`` function); ``last_dim_of(site)``: the
+    global size of the last dim of its input where the module knows it (a ``RowwiseParallel``
+    linear's ``in_features``), asked only where the tags do not tell. ``built`` collects the
+    global shapes of the DTensors ``from_local`` builds in it. A class, not a generator: it
+    runs on every layer."""
 
-    __slots__ = ("built", "last_dim", "outer", "site")
+    __slots__ = ("built", "last_dim_of", "outer", "site")
 
-    def __init__(self, site: Any, last_dim: int | None = None) -> None:
+    def __init__(self, site: Any, last_dim_of: Any = None) -> None:
         self.site = site
-        self.last_dim = last_dim
+        self.last_dim_of = last_dim_of
         self.built: list[torch.Size] = []
 
     def __enter__(self) -> list[torch.Size]:
@@ -88,19 +116,25 @@ class boundary:
     def __exit__(self, *exc: object) -> None:
         _CURRENT.frame = self.outer
 
+    @property
+    def last_dim(self) -> int | None:
+        return None if self.last_dim_of is None else self.last_dim_of(self.site)
+
 
 def tag(local: torch.Tensor, mesh: Any, shape: Sequence[int]) -> None:
     """Record that ``local`` is this rank's part of a tensor of global ``shape`` on ``mesh``."""
     entry = (weakref.ref(mesh), torch.Size(shape), local.shape)
-    _TAGS[local] = entry
     node = local.grad_fn
     if node is not None:
         node.metadata[_NODE_KEY] = entry
+    else:
+        _TAGS[local] = entry
 
 
 def _uneven(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> bool:
+    sizes = mesh_sizes(mesh)
     return any(
-        p.is_shard() and int(shape[p.dim % len(shape)]) % mesh.size(m) != 0
+        p.is_shard() and int(shape[p.dim % len(shape)]) % sizes[m] != 0
         for m, p in enumerate(placements)
         if len(shape)
     )
@@ -113,31 +147,41 @@ def note_dtensor_inputs(values: Sequence[Any]) -> None:
 
     for value in values:
         if isinstance(value, DTensor) and _uneven(value.shape, value.device_mesh, value.placements):
-            _UNEVEN[value.device_mesh] = True
+            _remember(_UNEVEN, value.device_mesh, True)
 
 
 def _known(local: torch.Tensor, mesh: Any) -> torch.Size | None:
-    entry = _TAGS.get(local)
-    if entry is None and local.grad_fn is not None:
-        for parent, _ in local.grad_fn.next_functions:
-            if parent is None:
-                continue
-            candidate = parent.metadata.get(_NODE_KEY)
-            if candidate is not None and candidate[2] == local.shape:
-                entry = candidate
-                break
+    node = local.grad_fn
+    if node is None:
+        entry = _TAGS.get(local)
+    else:
+        # Its own node (tagged at an output boundary), else one of the nodes of its direct
+        # inputs with the same local shape (a residual add of a tagged tensor).
+        entry = node.metadata.get(_NODE_KEY)
+        if entry is not None and entry[2] != local.shape:
+            entry = None  # another output of a node with several
+        if entry is None:
+            for parent, _ in node.next_functions:
+                if parent is None:
+                    continue
+                candidate = parent.metadata.get(_NODE_KEY)
+                if candidate is not None and candidate[2] == local.shape:
+                    entry = candidate
+                    break
     if entry is None or entry[0]() is not mesh:
         return None
     return entry[1]
 
 
-def _even_reading(local: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> torch.Size:
-    """The global shape torch's ``from_local`` assumes: each sharded dim times the mesh size."""
+def _even_reading(local: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> tuple[int, ...]:
+    """The global shape torch's ``from_local`` assumes: each sharded dim times the mesh size
+    (a tuple: it is only compared with a ``torch.Size``)."""
     shape = list(local.shape)
+    sizes = mesh_sizes(mesh)
     for mesh_dim, placement in enumerate(placements):
         if placement.is_shard():
-            shape[placement.dim % local.ndim] *= mesh.size(mesh_dim)
-    return torch.Size(shape)
+            shape[placement.dim % local.ndim] *= sizes[mesh_dim]
+    return tuple(shape)
 
 
 def _from_last_dim(
@@ -172,8 +216,9 @@ def resolve(
     if shape is None:
         shape = _from_last_dim(local, placements, frame.last_dim)
     if shape is not None:
+        if id(site) not in _SEEN:
+            _remember(_SEEN, site, False)
         if shape == _even_reading(local, mesh, placements):
-            _SEEN.setdefault(site, False)
             return None  # torch's own reading is right: nothing to add to its call
         expected, _ = local_shape_and_offset(shape, mesh, placements)
         if tuple(expected) != tuple(local.shape):
@@ -183,19 +228,19 @@ def resolve(
                 f"{list(shape)}, which placements {tuple(placements)} would cut into "
                 f"{list(expected)} here: the layouts given to the style do not describe it"
             )
-        _SEEN.setdefault(site, False)
         result = (shape, stride_like(local, shape))
     else:
-        root = _SEEN.get(site)
+        root = _SEEN.get(id(site))
         if root is None:
             # First call: untagged while autograd records means fed from outside the styles
             # (a root), which is exchanged on every call; under no_grad nothing is known.
-            root = _SEEN[site] = torch.is_grad_enabled()
-        elif not root and mesh not in _UNEVEN:
+            root = torch.is_grad_enabled()
+            _remember(_SEEN, site, root)
+        elif not root and id(mesh) not in _UNEVEN:
             return None
         result = exchange(local, mesh, placements)
     if _uneven(result[0], mesh, placements):
-        _UNEVEN[mesh] = True
+        _remember(_UNEVEN, mesh, True)
     return result
 
 

@@ -125,9 +125,10 @@ def _acts_on(mesh: Any, placements: Sequence[Any] | None) -> bool:
 
     if placements is None:
         return False
-    return any(type(p) is Shard and mesh.size(i) > 1 for i, p in enumerate(placements)) and all(
-        type(p) is Shard or not p.is_shard() for p in placements
-    )
+    sizes = _local_boundaries.mesh_sizes(mesh)
+    return any(
+        type(p) is Shard and i < len(sizes) and sizes[i] > 1 for i, p in enumerate(placements)
+    ) and all(type(p) is Shard or not p.is_shard() for p in placements)
 
 
 def _sizing(from_local: Callable[..., Any]) -> Callable[..., Any]:
@@ -178,7 +179,7 @@ def _style_input(original: Any) -> Any:
     @functools.wraps(fn)  # torch counts its parameters
     def prepare_input(*args: Any) -> Any:
         mod = args[-3]
-        with _local_boundaries.boundary(mod, _in_features(mod)):
+        with _local_boundaries.boundary(mod, _in_features):
             return fn(*args)
 
     return staticmethod(prepare_input)
