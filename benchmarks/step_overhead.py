@@ -29,6 +29,10 @@ patches it needs (:data:`NEEDED`, named in the output).
 
     python benchmarks/step_overhead.py --json docs/benchmarks/step_overhead-2.13.0.json
     python benchmarks/step_overhead.py --steps-kind critic --per-patch --rounds 31 --steps 3
+    python benchmarks/step_overhead.py --steps-kind critic_packed --config without:from_local_uneven
+
+``--config without:<patch>`` (or ``alone:<patch>``) adds a configuration in a pool of its own
+beside the three, measured the same way: how to ask what one patch costs a step.
 
 ``stock_again`` is stock measured once more as if it were a configuration: its ratio is the
 noise floor of the run (an A/A control), against which the others are read. ``--per-patch``
@@ -424,14 +428,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--per-patch", action="store_true", help="each patch alone and left out")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="alone:NAME|without:NAME",
+        help="one more configuration, in a pool of its own beside the three (repeatable)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dtensor_patches.patches import BUILTIN_PATCHES
     from dtensor_patches.testing import RankPool
 
     args = parse_args(argv)
+    names = {patch.name for patch in BUILTIN_PATCHES}
+    for config in args.config:
+        kind, _, name = config.partition(":")
+        if kind not in ("alone", "without") or name not in names:
+            raise SystemExit(f"--config {config!r}: expected alone:<patch> or without:<patch>")
     kinds = args.steps_kind or list(STEP_KINDS)
     run_args = {k: getattr(args, k) for k in ("batch", "seq", "hidden", "layers", "threads")}
     out: dict[str, Any] = {
@@ -449,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"OMP_NUM_THREADS": str(args.threads)}
     # "stock_again" is stock measured as if it were a configuration: its ratio to stock is
     # what this machine's noise alone gives, the control every other ratio is read against.
-    base_configs = ["stock", "stock_again", "all"]
+    base_configs = ["stock", "stock_again", "all", *args.config]
     pools = [
         RankPool(2, env=env, wait=False) for _ in range(1 if args.per_patch else len(base_configs))
     ]
