@@ -405,6 +405,15 @@ def schema_infos() -> dict[str, dict[OpOverload, Any]]:
     return {name: directory[name] for name in SCHEMA_INFO_TABLES if name in present}  # type: ignore[misc]
 
 
+# Every RuntimeSchemaInfo set_static_argnum ever put into a table stays alive for the process,
+# and the same one is put back on the next apply: once torch's dispatch has read an entry, it
+# is not ours to free (revert_all() restores torch's own object, which the ledger kept alive).
+# After many apply/revert cycles in one process CI once saw heap corruption in a rank; this
+# removes the one way our entries could have been freed under torch's feet.
+_SCHEMA_INFOS_MADE: dict[tuple[str, Any, int], tuple[Any, Any]] = {}
+_SCHEMA_INFOS_KEPT: list[Any] = []
+
+
 def set_static_argnum(table: str, op: OpOverload, static_argnum: int) -> None:
     """Key ``op``'s cached decisions by its positional arguments from ``static_argnum`` on: its
     ``RuntimeSchemaInfo`` in ``table`` (one of :data:`SCHEMA_INFO_TABLES`) replaced by a copy
@@ -418,8 +427,15 @@ def set_static_argnum(table: str, op: OpOverload, static_argnum: int) -> None:
 
     infos = schema_infos().get(table, {})
     info: Any = infos.get(op)
+    kept = _SCHEMA_INFOS_MADE.get((table, op, static_argnum))
+    if kept is not None and kept[0] is info:
+        infos[op] = kept[1]
+        return
     if info is None or isinstance(info, type) or not dataclasses.is_dataclass(info):
         raise moved(f"{table}[{op}].static_argnum", "no RuntimeSchemaInfo to re-key")
     if not hasattr(info, "static_argnum"):
         raise moved(f"{table}[{op}].static_argnum", "RuntimeSchemaInfo has no static_argnum")
-    infos[op] = dataclasses.replace(info, static_argnum=static_argnum)  # type: ignore[type-var]
+    made = dataclasses.replace(info, static_argnum=static_argnum)  # type: ignore[type-var]
+    _SCHEMA_INFOS_MADE[(table, op, static_argnum)] = (info, made)
+    _SCHEMA_INFOS_KEPT.append(made)
+    infos[op] = made
