@@ -407,9 +407,8 @@ def schema_infos() -> dict[str, dict[OpOverload, Any]]:
 
 # Every RuntimeSchemaInfo set_static_argnum ever put into a table stays alive for the process,
 # and the same one is put back on the next apply: once torch's dispatch has read an entry, it
-# is not ours to free (revert_all() restores torch's own object, which the ledger kept alive).
-# After many apply/revert cycles in one process CI once saw heap corruption in a rank; this
-# removes the one way our entries could have been freed under torch's feet.
+# is not ours to free (revert_all() restores torch's own object, which the ledger kept alive),
+# and a process that applies and reverts many times makes one copy per op, not one per apply.
 _SCHEMA_INFOS_MADE: dict[tuple[str, Any, int], tuple[Any, Any]] = {}
 _SCHEMA_INFOS_KEPT: list[Any] = []
 
