@@ -15,9 +15,11 @@ Each configuration runs in its own pool of ranks, kept warm (``stock``, ``stock_
 per configuration in a new random order, so the steps compared lie a step apart in time and
 nothing is switched or re-propagated between them; which pool runs which configuration
 rotates so that each runs in every process equally long (:func:`measure`). Each configuration
-has its own model, built with that configuration applied (a parallel style binds its boundary
-functions when it parallelizes a module, so a model built under ``apply_all()`` keeps them
-after ``revert_all()``: a "stock" step on such a model is not stock). Every step is timed
+has its own model in every pool, built with that configuration applied (a parallel style binds
+its boundary functions when it parallelizes a module, so a model built under ``apply_all()``
+keeps them after ``revert_all()``: a "stock" step on such a model is not stock), and each pool
+builds them in another order, so that each configuration runs equally long on models built
+first, second, ... in their process (:func:`prepare_rank`). Every step is timed
 alone on rank 0 in three clocks: wall time, the process's CPU time, and the main thread's CPU
 time (where every call of this package runs; neither CPU clock counts time the scheduler gives
 to other jobs). Per configuration and clock, two ratios to stock, each with a bootstrap 95%
@@ -182,11 +184,23 @@ def _qwen2_step(args: dict[str, Any]) -> Callable[[], None]:
 _RANK: dict[str, Any] = {}
 
 
-def prepare_rank(kind: str, args: dict[str, Any], count: bool) -> dict[str, Any]:
+def prepare_rank(
+    kind: str,
+    args: dict[str, Any],
+    count: bool,
+    configs: list[str] | None = None,
+    position: int = 0,
+) -> dict[str, Any]:
     """Runs on every rank of a pool: finds whether stock torch refuses the step (then its
-    baseline is :data:`NEEDED`), and with ``count`` counts the calls per step into each patch
-    with every patch applied. The steps are built per configuration when first configured
-    (:func:`configure_rank`) and kept."""
+    baseline is :data:`NEEDED`), builds a step for each of ``configs`` (``None``: for ``all``
+    only, the others when first configured, :func:`configure_rank`), and with ``count`` counts
+    the calls per step into each patch with every patch applied.
+
+    The models are built in the order of ``configs`` rotated by ``position`` (the pool's
+    index): in one process, a model built later can run a step 1-2% faster or slower than the
+    first (where its memory landed; measured on this machine), so each configuration must run
+    on models built at every position equally often. With the rotation of :func:`measure`,
+    period ``p`` runs every configuration on the model its pool built ``p``-th."""
     import dtensor_patches
 
     torch.set_num_threads(args["threads"])
@@ -197,8 +211,15 @@ def prepare_rank(kind: str, args: dict[str, Any], count: bool) -> dict[str, Any]
         baseline = NEEDED.get(kind)
         if baseline is None:
             raise
+    gc.collect()  # the probe's model is gone before the measured ones are built
     _RANK.update(kind=kind, args=args, baseline=baseline, steps={})
-    step = _RANK["steps"]["all"] = _build(kind, args, "all", baseline)
+    order = ["all"]
+    if configs:
+        shift = position % len(configs)
+        order = configs[shift:] + configs[:shift]
+    for config in order:
+        _RANK["steps"][config] = _build(kind, args, config, baseline)
+    step = _RANK["steps"]["all"]
     applied = [o.name for o in _configure("all") if o.status.name == "APPLIED"]
     deciding: dict[str, float] = {}
     calls: dict[str, float] = {}
@@ -472,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         for kind in kinds:
+            built = None if args.per_patch else base_configs
             infos = [
-                pool.run(prepare_rank, kind, run_args, i == 0)[0] for i, pool in enumerate(pools)
+                pool.run(prepare_rank, kind, run_args, i == 0, built, i)[0]
+                for i, pool in enumerate(pools)
             ]
             result = infos[0]
             configs = base_configs[:]

@@ -50,7 +50,7 @@ from dtensor_patches.dispatch.shards import stride_like
 
 __all__ = [
     "boundary",
-    "note_built",
+    "current",
     "note_dtensor_inputs",
     "resolve",
     "tag",
@@ -116,14 +116,11 @@ class boundary:
     def __exit__(self, *exc: object) -> None:
         _CURRENT.frame = self.outer
 
-    @property
-    def last_dim(self) -> int | None:
-        return None if self.last_dim_of is None else self.last_dim_of(self.site)
-
 
 def tag(local: torch.Tensor, mesh: Any, shape: Sequence[int]) -> None:
     """Record that ``local`` is this rank's part of a tensor of global ``shape`` on ``mesh``."""
-    entry = (weakref.ref(mesh), torch.Size(shape), local.shape)
+    size = shape if type(shape) is torch.Size else torch.Size(shape)
+    entry = (weakref.ref(mesh), size, local.shape)
     node = local.grad_fn
     if node is not None:
         node.metadata[_NODE_KEY] = entry
@@ -184,37 +181,53 @@ def _even_reading(local: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> 
     return tuple(shape)
 
 
-def _from_last_dim(
-    local: torch.Tensor, placements: Sequence[Any], last_dim: int | None
-) -> torch.Size | None:
-    """The global shape when only the last dim is sharded and the module knows its size."""
-    if last_dim is None or not local.ndim:
-        return None
-    sharded = {p.dim % local.ndim for p in placements if p.is_shard()}
-    if sharded != {local.ndim - 1}:
-        return None
-    return torch.Size((*local.shape[:-1], last_dim))
+def _last_dim_factor(local: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> int:
+    """How many parts ``placements`` cut the last dim of ``local`` into (the product of the
+    sizes of the mesh dims that shard it); 0 where another dim is sharded, or none is."""
+    ndim = local.ndim
+    if not ndim:
+        return 0
+    sizes = mesh_sizes(mesh)
+    factor = 0
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            if placement.dim % ndim != ndim - 1:
+                return 0
+            factor = max(factor, 1) * sizes[mesh_dim]
+    return factor
 
 
 def resolve(
-    local: torch.Tensor, mesh: Any, placements: Sequence[Any], exchange: Any
+    frame: boundary,
+    local: torch.Tensor,
+    mesh: Any,
+    placements: Sequence[Any],
+    exchange: Any,
 ) -> tuple[torch.Size, tuple[int, ...]] | None:
     """The global shape and stride for ``from_local(local, mesh, placements,
-    run_check=False)`` inside a boundary (see the module doc), or ``None`` outside one and
-    where torch's even reading stands. ``exchange(local, mesh, placements)`` is the
-    collective that asks every rank.
+    run_check=False)`` inside the boundary ``frame`` (see the module doc), or ``None`` where
+    torch's even reading stands. ``exchange(local, mesh, placements)`` is the collective that
+    asks every rank.
 
     Raises:
         ValueError: a tagged ``local`` whose shape is not DTensor's layout of its global shape
             under ``placements``; or what ``exchange`` raises.
     """
-    frame = getattr(_CURRENT, "frame", None)
-    if frame is None:
-        return None
     site = frame.site
-    shape = _known(local, mesh)
+    shape = None
+    # The module's own width first (a linear layer's input is ``in_features`` wide): it costs
+    # less than following autograd nodes, and it is the common case of a RowwiseParallel input.
+    last_dim = None if frame.last_dim_of is None else frame.last_dim_of(site)
+    if last_dim is not None:
+        factor = _last_dim_factor(local, mesh, placements)
+        if factor:
+            if id(site) not in _SEEN:
+                _remember(_SEEN, site, False)
+            if local.shape[-1] * factor == last_dim:
+                return None  # torch's own reading is right: nothing to add to its call
+            shape = torch.Size((*local.shape[:-1], last_dim))
     if shape is None:
-        shape = _from_last_dim(local, placements, frame.last_dim)
+        shape = _known(local, mesh)
     if shape is not None:
         if id(site) not in _SEEN:
             _remember(_SEEN, site, False)
@@ -244,9 +257,8 @@ def resolve(
     return result
 
 
-def note_built(dtensor: Any) -> None:
-    """Inside a boundary, remember the global shape of a DTensor ``from_local`` built (to tag
-    the local tensor the boundary returns for it)."""
-    frame = getattr(_CURRENT, "frame", None)
-    if frame is not None:
-        frame.built.append(dtensor.shape)
+def current() -> boundary | None:
+    """The boundary this thread is inside, if any (``boundary.built`` collects the global
+    shapes of the DTensors ``from_local`` builds in it, to tag the local tensors the boundary
+    returns for them)."""
+    return getattr(_CURRENT, "frame", None)

@@ -120,18 +120,32 @@ def global_shape_and_stride(
     return torch.Size(shape), stride_like(local, shape)
 
 
-def _acts_on(mesh: Any, placements: Sequence[Any] | None) -> bool:
-    from torch.distributed.tensor import Shard
+_SHARD: list[type] = []  # torch's Shard class, imported on first use (import time)
 
+
+def _acts_on(mesh: Any, placements: Sequence[Any] | None) -> bool:
+    """Whether ``placements`` shard over a mesh dim longer than 1, all with plain ``Shard``
+    (a loop, not ``any``/``all`` over generators: this runs on every ``from_local``)."""
     if placements is None:
         return False
+    if not _SHARD:
+        from torch.distributed.tensor import Shard
+
+        _SHARD.append(Shard)
+    shard = _SHARD[0]
     sizes = _local_boundaries.mesh_sizes(mesh)
-    return any(
-        type(p) is Shard and i < len(sizes) and sizes[i] > 1 for i, p in enumerate(placements)
-    ) and all(type(p) is Shard or not p.is_shard() for p in placements)
+    acts = False
+    for i, placement in enumerate(placements):
+        if type(placement) is shard:
+            acts = acts or (i < len(sizes) and sizes[i] > 1)
+        elif placement.is_shard():
+            return False  # _StridedShard: left as torch has it
+    return acts
 
 
-def _sizing(from_local: Callable[..., Any]) -> Callable[..., Any]:
+def _sizing(original: Any) -> Callable[..., Any]:
+    from_local = _function(original)  # a plain function is cheaper to call than a staticmethod
+
     def from_local_sized(
         local_tensor: torch.Tensor,
         device_mesh: Any = None,
@@ -142,26 +156,30 @@ def _sizing(from_local: Callable[..., Any]) -> Callable[..., Any]:
         the global shape the ranks' local shapes give (``run_check=False`` calls: inside
         torch's parallel styles and ``local_map`` only, :mod:`._local_boundaries`)."""
         # Left as torch has it: device_mesh=None (torch's current mesh), a DTensor (torch
-        # refuses it), and tracing under torch.compile (no collective on fake shapes).
+        # refuses it), and tracing under torch.compile (no collective on fake shapes). The
+        # cheapest tests first: this runs on every from_local, in every parallel style.
+        frame = _local_boundaries.current()
         if (
-            kwargs.get("shape") is None
-            and kwargs.get("stride") is None
-            and device_mesh is not None
-            and holds_real_values(local_tensor)
+            device_mesh is not None
             and _acts_on(device_mesh, placements)
+            and kwargs.get("shape") is None
+            and kwargs.get("stride") is None
+            and holds_real_values(local_tensor)
             and not torch.compiler.is_compiling()
         ):
             assert placements is not None
-            if "run_check" not in kwargs or kwargs["run_check"]:
+            sized = None
+            if kwargs.get("run_check", True):
                 sized = global_shape_and_stride(local_tensor, device_mesh, list(placements))
-            else:
+            elif frame is not None:
                 sized = _local_boundaries.resolve(
-                    local_tensor, device_mesh, list(placements), global_shape_and_stride
+                    frame, local_tensor, device_mesh, placements, global_shape_and_stride
                 )
             if sized is not None:
                 kwargs["shape"], kwargs["stride"] = sized
         result = from_local(local_tensor, device_mesh, placements, **kwargs)
-        _local_boundaries.note_built(result)
+        if frame is not None:
+            frame.built.append(result.shape)
         return result
 
     return staticmethod(from_local_sized)  # type: ignore[return-value]
@@ -188,8 +206,10 @@ def _style_input(original: Any) -> Any:
 def _in_features(module: Any) -> int | None:
     """A linear layer's input width (``weight``'s last dim, global): what a
     ``RowwiseParallel`` input sharded on its last dim adds up to."""
+    if not isinstance(module, torch.nn.Linear):
+        return None
     weight = getattr(module, "weight", None)
-    if isinstance(module, torch.nn.Linear) and weight is not None and weight.ndim == 2:
+    if weight is not None and weight.ndim == 2:
         return int(weight.shape[1])
     return None
 
