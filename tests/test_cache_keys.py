@@ -123,3 +123,101 @@ def test_every_op_the_rule_finds_is_listed() -> None:
         if op not in size_arguments_keyed.OPS
     ]
     assert unlisted == []
+
+
+def _out_calls() -> list[tuple[str, str, bool]]:
+    """(what, the out's base placement after the call, base equal to the plain result) for
+    matrix products written into views of preallocated DTensors, each after a call of the
+    same op into an out of another placement (``out_tensors_keyed``)."""
+    import warnings
+
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dtensor_patches.testing import world_mesh
+
+    mesh = world_mesh()
+    torch.manual_seed(1)
+    hidden, width = torch.randn(4, 6), torch.randn(6, 6)
+    a = distribute_tensor(hidden, mesh, [Shard(1)])
+    b = distribute_tensor(width, mesh, [Shard(1)])
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "an output was resized" on the bug
+        for placement in (Shard(1), Replicate(), Shard(0)):
+            # A buffer of two results, each written through a select view.
+            buffer = distribute_tensor(torch.zeros(2, 4, 6), mesh, [placement])
+            torch.mm(a, b, out=buffer[1])
+            expected = torch.zeros(2, 4, 6)
+            expected[1] = hidden @ width
+            out.append(
+                (
+                    f"mm into buffer[1] of {placement}",
+                    str(buffer.placements[0]),
+                    torch.allclose(buffer.full_tensor(), expected, atol=1e-5),
+                )
+            )
+            batched = distribute_tensor(torch.zeros(1, 4, 6), mesh, [placement])
+            torch.bmm(a.unsqueeze(0), b.unsqueeze(0), out=batched.view(1, 4, 6))
+            out.append(
+                (
+                    f"bmm into a view of {placement}",
+                    str(batched.placements[0]),
+                    torch.allclose(batched.full_tensor(), (hidden @ width)[None], atol=1e-5),
+                )
+            )
+    return out
+
+
+def _out_patched_and_stock() -> dict[str, Any]:
+    import dtensor_patches
+    from dtensor_patches._torch import tables
+    from dtensor_patches.patches.writes import out_tensors_keyed
+
+    dtensor_patches.revert_all()
+    before = {name: dict(infos) for name, infos in tables.schema_infos().items()}
+    stock = _out_calls()
+    try:
+        # Every patch: a select of the sharded dim of a ``Shard(0)`` buffer is a view DTensor
+        # had to redistribute, whose write ``view_writes`` carries to the buffer.
+        dtensor_patches.apply_all()
+        patched = _out_calls()
+        dtensor_patches.revert_all()
+        # The patch alone keys every out= op of torch's own tables (ops other patches
+        # register are theirs to key).
+        dtensor_patches.apply_all(only=["out_tensors_keyed"])
+        found = out_tensors_keyed.out_tensors_unkeyed()
+    finally:
+        dtensor_patches.revert_all()
+    after = {name: dict(infos) for name, infos in tables.schema_infos().items()}
+    restored = after == before and all(
+        after[name][op] is info for name, infos in before.items() for op, info in infos.items()
+    )
+    return {"stock": stock, "patched": patched, "found": found, "restored": restored}
+
+
+def test_out_tensors_key_the_decision(pool2: RankPool) -> None:
+    import pytest
+    from packaging.version import Version
+
+    if Version(torch.__version__.split("+")[0]) < Version("2.13"):
+        pytest.skip("mm.out/bmm.out have no sharding strategy before 2.13 (the fallback's)")
+    for result in pool2.run(_out_patched_and_stock):
+        for what, placement, equal in result["patched"]:
+            assert equal, (what, placement)
+        # Stock torch reuses the first call's decision for an out of another placement.
+        assert not all(equal for _, _, equal in result["stock"]), result["stock"]
+        assert result["found"] == [], result["found"][:5]
+        assert result["restored"], "revert did not put torch's schema infos back exactly"
+
+
+def test_every_out_op_the_rule_finds_is_listed() -> None:
+    import dtensor_patches
+    from dtensor_patches.patches.writes import out_tensors_keyed
+
+    dtensor_patches.revert_all()
+    unlisted = [
+        op
+        for _, op, _ in out_tensors_keyed.out_tensors_unkeyed()
+        if op not in out_tensors_keyed.OPS
+    ]
+    assert unlisted == []

@@ -30,6 +30,7 @@ __all__ = [
     "is_random",
     "is_view_op",
     "op_arguments",
+    "out_argument_names",
     "out_variant",
     "positional_argument_types",
     "resolve_op",
@@ -85,6 +86,14 @@ def argument_names(op: OpOverload) -> tuple[str, ...]:
 
 
 @functools.cache
+def out_argument_names(op: Any) -> tuple[str, ...]:
+    """The names of ``op``'s out tensors (``out``; ``values``, ``indices``, ...), ``()`` for an
+    op that is no ``out=`` overload or no ``OpOverload`` at all."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return ()
+    return tuple(argument.name for argument in _schema(op).arguments if argument.is_out)
+
+
 def positional_argument_types(op: OpOverload) -> tuple[str, ...]:
     """The schema types of ``op``'s arguments that may be passed by position (up to the first
     keyword-only one), as the schema prints them (``"Tensor"``, ``"int"``, ``"SymInt[]"``,

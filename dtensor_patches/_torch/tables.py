@@ -47,6 +47,7 @@ __all__ = [
     "registry_state",
     "schema_infos",
     "set_static_argnum",
+    "set_static_kwargkey",
     "sharding_propagator",
     "table_names",
     "tables",
@@ -436,5 +437,46 @@ def set_static_argnum(table: str, op: OpOverload, static_argnum: int) -> None:
         raise moved(f"{table}[{op}].static_argnum", "RuntimeSchemaInfo has no static_argnum")
     made = dataclasses.replace(info, static_argnum=static_argnum)  # type: ignore[type-var]
     _SCHEMA_INFOS_MADE[(table, op, static_argnum)] = (info, made)
+    _SCHEMA_INFOS_KEPT.append(made)
+    infos[op] = made
+
+
+# Entries set_static_kwargkey made, by (table, op, keys), kept alive like those above.
+_KWARG_INFOS_MADE: dict[tuple[str, Any, tuple[str, ...]], tuple[Any, Any]] = {}
+
+
+def set_static_kwargkey(table: str, op: OpOverload, keys: tuple[str, ...]) -> None:
+    """Key ``op``'s cached decisions also by its keyword arguments ``keys`` (an ``out=``
+    overload's out tensors: their specs, like a positional tensor's): its
+    ``RuntimeSchemaInfo`` in ``table`` replaced by a copy whose ``static_kwargkey`` holds them,
+    or, where torch registered none (which keys no keyword argument), a default one with just
+    them.
+
+    Raises:
+        PatchError: the entry is not a ``RuntimeSchemaInfo`` with a ``static_kwargkey``
+            (``RuntimeSchemaInfo`` moved).
+    """
+    import dataclasses
+
+    from dtensor_patches._torch.dtensors import dtensor_types
+
+    infos = schema_infos().get(table)
+    if infos is None:
+        raise moved(table, "no schema info table to re-key")
+    info: Any = infos.get(op)
+    kept = _KWARG_INFOS_MADE.get((table, op, keys))
+    if kept is not None and kept[0] is info:
+        infos[op] = kept[1]
+        return
+    if info is None:
+        made = dtensor_types().RuntimeSchemaInfo(static_kwargkey=list(keys))
+    elif dataclasses.is_dataclass(info) and hasattr(info, "static_kwargkey"):
+        present = list(info.static_kwargkey or [])
+        made = dataclasses.replace(  # type: ignore[type-var]
+            info, static_kwargkey=present + [k for k in keys if k not in present]
+        )
+    else:
+        raise moved(f"{table}[{op}].static_kwargkey", "RuntimeSchemaInfo has no static_kwargkey")
+    _KWARG_INFOS_MADE[(table, op, keys)] = (info, made)
     _SCHEMA_INFOS_KEPT.append(made)
     infos[op] = made

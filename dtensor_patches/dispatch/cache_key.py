@@ -4,8 +4,12 @@ torch caches one decision per distinct op schema, hashing the tensor arguments' 
 the non-tensor arguments its ``RuntimeSchemaInfo`` names (positional ones from
 ``static_argnum`` on). An argument left out of the key that changes the output (``topk``'s
 ``k``, ``histc``'s ``bins``) makes the second call reuse the first call's output spec: a DTensor
-whose shape is not its local tensor's. A :class:`CacheKey` moves ``static_argnum`` down so that
-the argument is hashed; the decision itself is torch's.
+whose shape is not its local tensor's. Keyword arguments key it only where ``static_kwargkey``
+names them: an ``out=`` tensor left out makes a call writing into an ``out`` of another
+placement reuse the first call's decision, which relabels the ``out`` DTensor to the first
+call's placement (and, when ``out`` is a view of another DTensor, leaves that base's local
+tensors half written). A :class:`CacheKey` moves ``static_argnum`` down, or adds keyword
+arguments, so that the argument is hashed; the decision itself is torch's.
 """
 
 from __future__ import annotations
@@ -23,18 +27,20 @@ __all__ = ["CacheKey"]
 
 @dataclass(frozen=True)
 class CacheKey:
-    """Key ``op``'s cached decisions by its positional arguments from ``static_argnum`` on, in
-    ``table`` (one of :data:`~dtensor_patches._torch.tables.SCHEMA_INFO_TABLES`), where torch
-    registered a ``RuntimeSchemaInfo`` with a later ``static_argnum``. Costs one more cache
-    entry per distinct value of the added arguments, nothing per cached call.
+    """Key ``op``'s cached decisions by its positional arguments from ``static_argnum`` on
+    (``None``: as torch has it), and by the keyword arguments ``keywords`` (an ``out=``
+    overload's out tensors), in ``table`` (one of
+    :data:`~dtensor_patches._torch.tables.SCHEMA_INFO_TABLES`). Costs one more cache entry per
+    distinct value (or spec) of the added arguments, nothing per cached call.
 
     Raises (at install):
         PatchError: the table or the op's ``RuntimeSchemaInfo`` moved.
     """
 
     op: str
-    static_argnum: int
+    static_argnum: int | None
     table: str = torch_tables.SCHEMA_INFO_TABLES[0]
+    keywords: tuple[str, ...] = ()
     kind: ClassVar[str] = "cache key"
 
     @property
@@ -45,4 +51,8 @@ class CacheKey:
         return [(self.table, resolve_op(self.op))]
 
     def install(self) -> None:
-        torch_tables.set_static_argnum(self.table, resolve_op(self.op), self.static_argnum)
+        op = resolve_op(self.op)
+        if self.static_argnum is not None:
+            torch_tables.set_static_argnum(self.table, op, self.static_argnum)
+        if self.keywords:
+            torch_tables.set_static_kwargkey(self.table, op, self.keywords)

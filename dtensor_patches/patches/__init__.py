@@ -101,7 +101,12 @@ from dtensor_patches.patches.vocab import (
     softmax_over_shards,
     topk_over_shards,
 )
-from dtensor_patches.patches.writes import cumsum_inplace, inplace_writes, view_writes
+from dtensor_patches.patches.writes import (
+    cumsum_inplace,
+    inplace_writes,
+    out_tensors_keyed,
+    view_writes,
+)
 
 __all__ = ["BUILTIN_PATCHES"]
 
@@ -141,6 +146,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         cumsum_negative_dim.PATCH,
         order_stats.PATCH,
         size_arguments_keyed.PATCH,
+        out_tensors_keyed.PATCH,
         flip_roll.PATCH,
         sdpa_cpu.PATCH,
         context_parallel_cpu.PATCH,
