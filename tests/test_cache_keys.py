@@ -75,13 +75,28 @@ def _calls_after_other_values() -> list[tuple[str, list[int], list[int], bool]]:
     return out
 
 
+def _schema_infos() -> dict[str, dict[Any, Any]]:
+    """A copy of torch's schema-info tables, entry objects as they are."""
+    from dtensor_patches._torch import tables
+
+    return {name: dict(infos) for name, infos in tables.schema_infos().items()}
+
+
+def _restored(before: dict[str, dict[Any, Any]]) -> bool:
+    """Whether the tables hold exactly ``before``'s entries again: the same objects, none
+    added."""
+    after = _schema_infos()
+    return after == before and all(
+        after[name][op] is info for name, infos in before.items() for op, info in infos.items()
+    )
+
+
 def _patched_and_stock() -> dict[str, Any]:
     import dtensor_patches
-    from dtensor_patches._torch import tables
     from dtensor_patches.patches.reductions import size_arguments_keyed
 
     dtensor_patches.revert_all()
-    before = {name: dict(infos) for name, infos in tables.schema_infos().items()}
+    before = _schema_infos()
     stock = _calls_after_other_values()
     try:
         dtensor_patches.apply_all(only=["size_arguments_keyed"])
@@ -89,11 +104,7 @@ def _patched_and_stock() -> dict[str, Any]:
         found = size_arguments_keyed.keyed_too_late()
     finally:
         dtensor_patches.revert_all()
-    after = {name: dict(infos) for name, infos in tables.schema_infos().items()}
-    restored = all(
-        after[name].get(op) is info for name, infos in before.items() for op, info in infos.items()
-    )
-    return {"stock": stock, "patched": patched, "found": found, "restored": restored}
+    return {"stock": stock, "patched": patched, "found": found, "restored": _restored(before)}
 
 
 def test_integer_arguments_key_the_decision(pool2: RankPool) -> None:
@@ -170,11 +181,10 @@ def _out_calls() -> list[tuple[str, str, bool]]:
 
 def _out_patched_and_stock() -> dict[str, Any]:
     import dtensor_patches
-    from dtensor_patches._torch import tables
     from dtensor_patches.patches.writes import out_tensors_keyed
 
     dtensor_patches.revert_all()
-    before = {name: dict(infos) for name, infos in tables.schema_infos().items()}
+    before = _schema_infos()
     stock = _out_calls()
     try:
         # Every patch: a select of the sharded dim of a ``Shard(0)`` buffer is a view DTensor
@@ -188,11 +198,7 @@ def _out_patched_and_stock() -> dict[str, Any]:
         found = out_tensors_keyed.out_tensors_unkeyed()
     finally:
         dtensor_patches.revert_all()
-    after = {name: dict(infos) for name, infos in tables.schema_infos().items()}
-    restored = after == before and all(
-        after[name][op] is info for name, infos in before.items() for op, info in infos.items()
-    )
-    return {"stock": stock, "patched": patched, "found": found, "restored": restored}
+    return {"stock": stock, "patched": patched, "found": found, "restored": _restored(before)}
 
 
 def test_out_tensors_key_the_decision(pool2: RankPool) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "LOSS_PARALLEL_HANDLERS",
     "OP_TABLES",
     "SCHEMA_INFO_TABLES",
+    "SCHEMA_INFO_TABLE_OF",
     "STRATEGY_TABLES",
     "Tables",
     "clear_sharding_caches",
@@ -74,6 +75,14 @@ SCHEMA_INFO_TABLES = (
     "propagator.op_to_schema_info_for_single_dim_strategy",  # 2.11+
 )
 """op -> ``RuntimeSchemaInfo``: which non-tensor arguments key the propagation cache."""
+SCHEMA_INFO_TABLE_OF = {
+    "propagator.op_strategy_funcs": "propagator.op_to_schema_info",
+    "propagator.op_to_rules": "propagator.op_to_schema_info",
+    "propagator.op_single_dim_strategy_funcs": (
+        "propagator.op_to_schema_info_for_single_dim_strategy"
+    ),
+}
+"""Strategy table -> the schema-info table torch reads for the ops registered in it."""
 LOSS_PARALLEL_HANDLERS = "loss_parallel.customized_loss_ops"
 """``loss_parallel()``'s op -> handler dict (installed into the handler table on entering the
 block and popped on leaving it, 2.9 to 2.15)."""
@@ -406,12 +415,32 @@ def schema_infos() -> dict[str, dict[OpOverload, Any]]:
     return {name: directory[name] for name in SCHEMA_INFO_TABLES if name in present}  # type: ignore[misc]
 
 
-# Every RuntimeSchemaInfo set_static_argnum ever put into a table stays alive for the process,
-# and the same one is put back on the next apply: once torch's dispatch has read an entry, it
-# is not ours to free (revert_all() restores torch's own object, which the ledger kept alive),
-# and a process that applies and reverts many times makes one copy per op, not one per apply.
-_SCHEMA_INFOS_MADE: dict[tuple[str, Any, int], tuple[Any, Any]] = {}
+# Every RuntimeSchemaInfo this module ever put into a table stays alive for the process, and
+# the same one is put back on the next apply: once torch's dispatch has read an entry, it is
+# not ours to free (revert_all() restores torch's own object, which the ledger kept alive), and
+# a process that applies and reverts many times makes one copy per op, not one per apply.
+# (table, op, change) -> (the entry it was made from, the entry made).
+_SCHEMA_INFOS_MADE: dict[tuple[str, Any, tuple[Any, ...]], tuple[Any, Any]] = {}
 _SCHEMA_INFOS_KEPT: list[Any] = []
+
+
+def _replace_schema_info(
+    table: str, op: OpOverload, change: tuple[Any, ...], make: Callable[[Any], Any]
+) -> None:
+    """Put ``make(entry)`` in place of ``op``'s entry of ``table`` (``None`` where it has
+    none), or the copy made before from the same entry for the same ``change``."""
+    infos = schema_infos().get(table)
+    if infos is None:
+        raise moved(table, "no schema info table to re-key")
+    info: Any = infos.get(op)
+    kept = _SCHEMA_INFOS_MADE.get((table, op, change))
+    if kept is not None and kept[0] is info:
+        infos[op] = kept[1]
+        return
+    made = make(info)
+    _SCHEMA_INFOS_MADE[(table, op, change)] = (info, made)
+    _SCHEMA_INFOS_KEPT.append(made)
+    infos[op] = made
 
 
 def set_static_argnum(table: str, op: OpOverload, static_argnum: int) -> None:
@@ -425,24 +454,14 @@ def set_static_argnum(table: str, op: OpOverload, static_argnum: int) -> None:
     """
     import dataclasses
 
-    infos = schema_infos().get(table, {})
-    info: Any = infos.get(op)
-    kept = _SCHEMA_INFOS_MADE.get((table, op, static_argnum))
-    if kept is not None and kept[0] is info:
-        infos[op] = kept[1]
-        return
-    if info is None or isinstance(info, type) or not dataclasses.is_dataclass(info):
-        raise moved(f"{table}[{op}].static_argnum", "no RuntimeSchemaInfo to re-key")
-    if not hasattr(info, "static_argnum"):
-        raise moved(f"{table}[{op}].static_argnum", "RuntimeSchemaInfo has no static_argnum")
-    made = dataclasses.replace(info, static_argnum=static_argnum)  # type: ignore[type-var]
-    _SCHEMA_INFOS_MADE[(table, op, static_argnum)] = (info, made)
-    _SCHEMA_INFOS_KEPT.append(made)
-    infos[op] = made
+    def make(info: Any) -> Any:
+        if info is None or isinstance(info, type) or not dataclasses.is_dataclass(info):
+            raise moved(f"{table}[{op}].static_argnum", "no RuntimeSchemaInfo to re-key")
+        if not hasattr(info, "static_argnum"):
+            raise moved(f"{table}[{op}].static_argnum", "RuntimeSchemaInfo has no static_argnum")
+        return dataclasses.replace(info, static_argnum=static_argnum)  # type: ignore[type-var]
 
-
-# Entries set_static_kwargkey made, by (table, op, keys), kept alive like those above.
-_KWARG_INFOS_MADE: dict[tuple[str, Any, tuple[str, ...]], tuple[Any, Any]] = {}
+    _replace_schema_info(table, op, ("static_argnum", static_argnum), make)
 
 
 def set_static_kwargkey(table: str, op: OpOverload, keys: tuple[str, ...]) -> None:
@@ -460,23 +479,16 @@ def set_static_kwargkey(table: str, op: OpOverload, keys: tuple[str, ...]) -> No
 
     from dtensor_patches._torch.dtensors import dtensor_types
 
-    infos = schema_infos().get(table)
-    if infos is None:
-        raise moved(table, "no schema info table to re-key")
-    info: Any = infos.get(op)
-    kept = _KWARG_INFOS_MADE.get((table, op, keys))
-    if kept is not None and kept[0] is info:
-        infos[op] = kept[1]
-        return
-    if info is None:
-        made = dtensor_types().RuntimeSchemaInfo(static_kwargkey=list(keys))
-    elif dataclasses.is_dataclass(info) and hasattr(info, "static_kwargkey"):
+    def make(info: Any) -> Any:
+        if info is None:
+            return dtensor_types().RuntimeSchemaInfo(static_kwargkey=list(keys))
+        if not (dataclasses.is_dataclass(info) and hasattr(info, "static_kwargkey")):
+            raise moved(
+                f"{table}[{op}].static_kwargkey", "RuntimeSchemaInfo has no static_kwargkey"
+            )
         present = list(info.static_kwargkey or [])
-        made = dataclasses.replace(  # type: ignore[type-var]
+        return dataclasses.replace(  # type: ignore[type-var]
             info, static_kwargkey=present + [k for k in keys if k not in present]
         )
-    else:
-        raise moved(f"{table}[{op}].static_kwargkey", "RuntimeSchemaInfo has no static_kwargkey")
-    _KWARG_INFOS_MADE[(table, op, keys)] = (info, made)
-    _SCHEMA_INFOS_KEPT.append(made)
-    infos[op] = made
+
+    _replace_schema_info(table, op, ("static_kwargkey", keys), make)

@@ -16,6 +16,7 @@ import torch
 
 from dtensor_patches._torch.access import attribute, internal
 from dtensor_patches._torch.dtensors import dtensor_class, set_spec, spec_of
+from dtensor_patches._torch.schemas import out_argument_names
 from dtensor_patches._torch.tables import op_dispatcher
 from dtensor_patches.errors import MixedTensorError
 
@@ -75,9 +76,9 @@ def run_uncached(
         ):
             raise _refuse(op_call, args[0], "would be written in a redistributed copy")
     if out_variant:
-        for argument in op_call._schema.arguments:
-            if argument.is_out and not isinstance(kwargs.get(argument.name), dtensor):
-                raise _refuse(op_call, kwargs[argument.name], "is an out= tensor")
+        for name in out_argument_names(op_call):
+            if not isinstance(kwargs.get(name), dtensor):
+                raise _refuse(op_call, kwargs[name], "is an out= tensor")
     op_info.output_sharding = sharding
     local_results = attribute(
         dispatcher,
@@ -94,7 +95,7 @@ def run_uncached(
         return target
     if out_variant:
         specs = output_spec if isinstance(output_spec, tuple) else (output_spec,)
-        outs = [kwargs[a.name] for a in op_call._schema.arguments if a.is_out]
+        outs = [kwargs[name] for name in out_argument_names(op_call)]
         for out, spec in zip(outs, specs, strict=True):
             set_spec(out, spec)
         return tuple(outs) if len(outs) > 1 else outs[0]

@@ -215,23 +215,22 @@ def resolve(
     """
     site = frame.site
     shape = None
+    even = False
     # The module's own width first (a linear layer's input is ``in_features`` wide): it costs
     # less than following autograd nodes, and it is the common case of a RowwiseParallel input.
     last_dim = None if frame.last_dim_of is None else frame.last_dim_of(site)
     if last_dim is not None:
         factor = _last_dim_factor(local, mesh, placements)
         if factor:
-            if id(site) not in _SEEN:
-                _remember(_SEEN, site, False)
-            if local.shape[-1] * factor == last_dim:
-                return None  # torch's own reading is right: nothing to add to its call
             shape = torch.Size((*local.shape[:-1], last_dim))
+            even = local.shape[-1] * factor == last_dim
     if shape is None:
         shape = _known(local, mesh)
+        even = shape is not None and shape == _even_reading(local, mesh, placements)
     if shape is not None:
         if id(site) not in _SEEN:
             _remember(_SEEN, site, False)
-        if shape == _even_reading(local, mesh, placements):
+        if even:
             return None  # torch's own reading is right: nothing to add to its call
         expected, _ = local_shape_and_offset(shape, mesh, placements)
         if tuple(expected) != tuple(local.shape):

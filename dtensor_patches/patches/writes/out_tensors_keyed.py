@@ -37,15 +37,6 @@ from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.schemas import out_argument_names
 from dtensor_patches.patch import CacheKey, Patch
 
-# Strategy table -> the schema-info table torch reads for the ops registered in it.
-_INFO_TABLE_OF = {
-    "propagator.op_strategy_funcs": "propagator.op_to_schema_info",
-    "propagator.op_to_rules": "propagator.op_to_schema_info",
-    "propagator.op_single_dim_strategy_funcs": (
-        "propagator.op_to_schema_info_for_single_dim_strategy"
-    ),
-}
-
 
 def out_tensors_unkeyed() -> list[tuple[str, str, tuple[str, ...]]]:
     """``(schema-info table, op, out argument names)`` for every ``out=`` overload with a
@@ -55,7 +46,7 @@ def out_tensors_unkeyed() -> list[tuple[str, str, tuple[str, ...]]]:
     present = set(torch_tables.table_names())
     infos = torch_tables.schema_infos()
     found = []
-    for strategies, info_table in _INFO_TABLE_OF.items():
+    for strategies, info_table in torch_tables.SCHEMA_INFO_TABLE_OF.items():
         if strategies not in present or info_table not in infos:
             continue
         for op in list(directory[strategies]):  # type: ignore[attr-defined]
