@@ -9,11 +9,12 @@ mesh. Torch's ``clip_grad_norm_`` cannot combine norms across meshes. Here each 
 mesh dims that any gradient of that mesh is sharded on (from this rank, the sub-mesh through
 its coordinate). A gradient ``Replicate()`` on one of those dims is weighted by ``1 / size``
 of the dim, so every element counts once; a gradient sharded on none of them counts locally.
-``Partial`` gradients are reduced first (a ``redistribute`` to ``Replicate()`` on those dims:
-the one case that moves a whole tensor). Groups of the same ranks from different meshes are
-merged; then one all-reduce per distinct group (``SUM`` of the powers, or ``MAX`` for
-``norm_type=inf``, with a NaN flag so a NaN on one rank is a NaN everywhere), and one more
-over ``pp_group`` if given. The result is the same on every rank, computed without a host
+``Partial`` gradients are reduced first (to ``Replicate()`` on those dims: the one case that
+moves a whole tensor; those of one mesh, pending dims and dtype together, in one flat
+all-reduce per pending dim, not one ``redistribute`` each). Groups of the same ranks from
+different meshes are merged; then one all-reduce per distinct group (``SUM`` of the powers,
+or ``MAX`` for ``norm_type=inf``, with a NaN flag so a NaN on one rank is a NaN everywhere),
+and one more over ``pp_group`` if given. The result is the same on every rank, computed without a host
 sync: a ``Replicate()`` DTensor when every gradient is on one mesh, else a plain 0-dim tensor.
 
 A replicated gradient of another sub-mesh's replica (an expert on ``mesh["ep"]`` of ranks
@@ -43,6 +44,7 @@ one all-gather of one scalar per rank (``"auto"``)."""
 
 _GROUPS_LOCK = threading.Lock()
 _FLAT_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}  # ranks -> (world, group)
+_RANKS: dict[tuple[Any, ...], tuple[int, ...]] = {}  # (mesh, dims, coordinate) -> sub-mesh ranks
 
 
 def _auto_plain_norm(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
@@ -136,9 +138,16 @@ def _flat_group(ranks: tuple[int, ...], like: Any) -> Any:
 
 
 def _sub_mesh_ranks(mesh: Any, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks of the sub-mesh of ``dims`` through this rank's coordinate (read from the
+    mesh's rank tensor once per mesh, dims and coordinate: it costs tens of microseconds)."""
     coordinate = mesh.get_coordinate()
-    index = tuple(slice(None) if d in dims else c for d, c in enumerate(coordinate))
-    return tuple(sorted(int(r) for r in mesh.mesh[index].flatten().tolist()))
+    key = (mesh, dims, tuple(coordinate))
+    ranks = _RANKS.get(key)
+    if ranks is None:
+        index = tuple(slice(None) if d in dims else c for d, c in enumerate(coordinate))
+        ranks = tuple(sorted(int(r) for r in mesh.mesh[index].flatten().tolist()))
+        _RANKS[key] = ranks
+    return ranks
 
 
 def _splits(placement: Any) -> bool:
@@ -148,17 +157,56 @@ def _splits(placement: Any) -> bool:
     return not (placement.is_replicate() or placement.is_partial())
 
 
-def _reduced(grad: Any) -> Any:
-    from torch.distributed.tensor import Replicate
+_REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 
-    if any(p.is_partial() for p in grad.placements):
-        wanted = [Replicate() if p.is_partial() else p for p in grad.placements]
-        return grad.redistribute(grad.device_mesh, wanted)
-    return grad
+
+def _batched(placement: Any, partial: type) -> bool:
+    """Whether a pending placement is torch's own ``Partial`` of an op an all-reduce does
+    (not a subclass such as the vocab mask's, whose reduction is its own)."""
+    return type(placement) is partial and getattr(placement, "reduce_op", None) in _REDUCE_OPS
+
+
+def _reduced(dtensors: list[Any]) -> list[tuple[Any, tuple[Any, ...], torch.Tensor]]:
+    """Each gradient as ``(mesh, placements, local tensor)`` with nothing pending: a ``Partial``
+    gradient's local tensor is reduced over its pending mesh dims and its placement there
+    becomes ``Replicate()``. Gradients of the same mesh, pending dims and ops, dtype and device
+    go in one flat all-reduce per pending dim (sequence-parallel norm weights: one collective,
+    not one ``redistribute`` each); the gradients themselves are left as they are."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    out: list[Any] = []
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for g in dtensors:
+        mesh, placements, local = g.device_mesh, tuple(g.placements), local_tensor(g)
+        pending = tuple((d, p.reduce_op) for d, p in enumerate(placements) if p.is_partial())
+        if pending and all(_batched(placements[d], Partial) for d, _ in pending):
+            key = (mesh, pending, local.dtype, local.device)
+            buckets.setdefault(key, []).append(len(out))
+        elif pending:
+            wanted = [Replicate() if p.is_partial() else p for p in placements]
+            g = g.redistribute(mesh, wanted)
+            placements, local = tuple(g.placements), local_tensor(g)
+        out.append((mesh, placements, local))
+    for (mesh, pending, _, device), positions in buckets.items():
+        flat = torch.cat([out[i][2].reshape(-1) for i in positions])
+        for mesh_dim, op in pending:
+            pg = mesh.get_group(mesh_dim)
+            target = _reduce_device(pg, device)
+            buffer = flat if flat.device == target else flat.to(target)
+            dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]), group=pg)
+            if op == "avg":
+                buffer.div_(mesh.size(mesh_dim))
+            flat = buffer if buffer.device == device else buffer.to(device)
+        parts = flat.split([out[i][2].numel() for i in positions])
+        for i, part in zip(positions, parts, strict=True):
+            _, placements, local = out[i]
+            replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
+            out[i] = (mesh, replicated, part.view(local.shape))
+    return out
 
 
 def _layout(
-    g: Any,
+    device: torch.device,
     mesh: Any,
     placements: tuple[Any, ...],
     union: list[int],
@@ -178,7 +226,7 @@ def _layout(
     entry = by_ranks.get(ranks)
     if entry is None:
         pg = mesh.get_group(dims[0]) if len(dims) == 1 else _flat_group(ranks, mesh.get_group(0))
-        entry = by_ranks[ranks] = _Group(pg, local_tensor(g).device)
+        entry = by_ranks[ranks] = _Group(pg, device)
     return entry, weight
 
 
@@ -189,29 +237,28 @@ def _groups(
     gradients of ``plain="auto"``, and the one mesh of every DTensor (``None`` if several or
     none)."""
     dtensor = dtensor_class()
-    dtensors = [_reduced(g) for g in grads if isinstance(g, dtensor)]
+    shards = _reduced([g for g in grads if isinstance(g, dtensor)])
     # Keyed by the mesh's value (DeviceMesh compares by layout): FSDP2 and TP can hand out
     # equal meshes as different objects, and they must share one reduction group.
     sharded_dims: dict[Any, set[int]] = {}
     meshes: dict[Any, Any] = {}
-    for g in dtensors:
-        union = sharded_dims.setdefault(g.device_mesh, set())
-        meshes[g.device_mesh] = g.device_mesh
-        union.update(d for d, p in enumerate(g.placements) if _splits(p))
+    for mesh, placements, _ in shards:
+        union = sharded_dims.setdefault(mesh, set())
+        meshes[mesh] = mesh
+        union.update(d for d, p in enumerate(placements) if _splits(p))
     by_ranks: dict[Any, _Group] = {}
     local = _Group(None, grads[0].device if grads else torch.device("cpu"))
     # Per (mesh, placements): the group entry (or the local one) and the weight, worked out
     # once per call, not per gradient (a model has few distinct layouts and many gradients).
     layouts: dict[tuple[Any, tuple[Any, ...]], tuple[_Group, float]] = {}
-    for g in dtensors:
-        mesh, placements = g.device_mesh, tuple(g.placements)
+    for mesh, placements, shard in shards:
         layout = layouts.get((mesh, placements))
         if layout is None:
             layout = layouts[(mesh, placements)] = _layout(
-                g, mesh, placements, sorted(sharded_dims[mesh]), by_ranks, local
+                shard.device, mesh, placements, sorted(sharded_dims[mesh]), by_ranks, local
             )
         entry, weight = layout
-        entry.tensors.append(local_tensor(g))
+        entry.tensors.append(shard)
         entry.weights.append(weight)
     plains = [g for g in grads if not isinstance(g, dtensor)]
     auto: list[torch.Tensor] = []
@@ -239,12 +286,26 @@ def _norms(
     use_foreach = foreach if foreach is not None else all(t.is_cuda for t in tensors)
     if use_foreach:
         out: list[torch.Tensor | None] = [None] * len(tensors)
-        for positions in _by_layout(tensors).values():
-            norms = foreach_norm()([tensors[i] for i in positions], p, dtype=dtype)
+        for (_, tensor_dtype), positions in _by_layout(tensors).items():
+            if _narrows(tensor_dtype, dtype):
+                norms = [n.to(dtype) for n in foreach_norm()([tensors[i] for i in positions], p)]
+            else:
+                norms = foreach_norm()([tensors[i] for i in positions], p, dtype=dtype)
             for i, n in zip(positions, norms, strict=True):
                 out[i] = n
         return [n for n in out if n is not None]
-    return [torch.linalg.vector_norm(t, p, dtype=dtype) for t in tensors]
+    return [
+        torch.linalg.vector_norm(t, p).to(dtype)
+        if _narrows(t.dtype, dtype)
+        else torch.linalg.vector_norm(t, p, dtype=dtype)
+        for t in tensors
+    ]
+
+
+def _narrows(tensor_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether reading ``tensor_dtype`` in ``dtype`` loses precision (float64 gradients with the
+    float32 default): torch's norms refuse it, so those norms are taken in their own dtype."""
+    return torch.promote_types(tensor_dtype, dtype) != dtype
 
 
 def _term(entry: _Group, p: float, foreach: bool | None, dtype: torch.dtype) -> torch.Tensor:
@@ -327,7 +388,9 @@ def grad_norm(
 
     Communication: one all-reduce of one number (two for ``inf``) per distinct reduction
     group, plus one over ``pp_group``; an all-gather of one scalar per rank for
-    ``plain="auto"``; a ``redistribute`` per ``Partial`` gradient. No host sync unless
+    ``plain="auto"``; for ``Partial`` gradients, one all-reduce of their local tensors together
+    per mesh, pending mesh dim and dtype (a ``redistribute`` each for subclasses of
+    ``Partial``). No host sync unless
     ``error_if_nonfinite``.
 
     Raises:

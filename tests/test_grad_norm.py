@@ -85,8 +85,9 @@ def _one_mesh_case(norm_type: float) -> dict[str, Any]:
 def test_one_mesh_every_placement_counted_once(pool2: RankPool, norm_type: float) -> None:
     for rank, r in enumerate(pool2.run(_one_mesh_case, norm_type)):
         assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
-        # The mesh's group, merged with the plain gradients' (counted locally): one all-reduce.
-        assert r["all_reduces"] == 1, (rank, r)
+        # The Partial gradient reduced (one), then the mesh's group, merged with the plain
+        # gradients' (counted locally): one more.
+        assert r["all_reduces"] == 2, (rank, r)
         assert not r["is_dtensor"], (rank, r)  # a plain gradient among them: a plain tensor
 
 
@@ -307,6 +308,65 @@ def test_two_d_mesh_and_an_expert_sub_mesh(pool4: RankPool, norm_type: float) ->
         assert r["fsdp_tp"][1] == "Shard" and r["fsdp_tp"][0] != "Replicate", (rank, r)
         assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
         assert r["all_reduces"] == 2, (rank, r)
+
+
+def _pending_gradients_case(norm_type: float) -> dict[str, Any]:
+    """Sequence-parallel gradients on a (dp, tp) mesh, as TP + SP leaves them before FSDP2
+    reduces them: norm weights ``Partial()`` on tp (each rank's sum over its sequence part),
+    some ``Shard(0)`` on dp too, one ``Partial("avg")``, one float64, and a ``Partial("max")``
+    on dp; beside ``Shard`` gradients. Each must be reduced before its norm is taken."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import dtensor_patches
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh.get_coordinate()
+    fulls = _fulls((6,), (6,), (4, 6), (5,), (3,), (7,), (3, 4), seed=5)
+    norm_a, norm_b, stacked, averaged, wide, maxed, dense = fulls
+
+    def pending(full: torch.Tensor, share: int, placements: list[Any]) -> Any:
+        # Rank shares 1/3 and 2/3 of ``full``: they add up to it.
+        return DTensor.from_local(full * (share + 1) / 3, mesh, placements, run_check=False)
+
+    fp64 = wide.double()
+    rows = torch.chunk(stacked, 2)[dp]
+    grads = [
+        pending(norm_a, tp, [Replicate(), Partial()]),
+        pending(norm_b, tp, [Replicate(), Partial()]),
+        DTensor.from_local(rows * (tp + 1) / 3, mesh, [Shard(0), Partial()], run_check=False),
+        DTensor.from_local(
+            averaged * (1 + tp) * 2 / 3, mesh, [Replicate(), Partial("avg")], run_check=False
+        ),
+        DTensor.from_local(fp64 * (tp + 1) / 3, mesh, [Replicate(), Partial()], run_check=False),
+        DTensor.from_local(maxed - dp, mesh, [Partial("max"), Replicate()], run_check=False),
+        distribute_tensor(dense, mesh, [Shard(0), Shard(1)]),
+    ]
+    before = [g.to_local().clone() for g in grads]
+    with _counted_all_reduces() as calls:
+        norm = dtensor_patches.grad_norm(grads, norm_type)
+    return {
+        "norm": float(norm),
+        "expected": _expected(fulls, norm_type),
+        "all_reduces": len(calls),
+        "left_as_they_were": all(
+            torch.equal(g.to_local(), b) and g.placements[1].is_partial() == (i < 5)
+            for i, (g, b) in enumerate(zip(grads, before, strict=True))
+        ),
+    }
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+def test_pending_gradients_reduced_together(pool4: RankPool, norm_type: float) -> None:
+    """``Partial`` gradients (sum, avg, max; float32 and float64) count as their reduced
+    values, the gradients themselves untouched. Those of one mesh, pending dims and dtype go in
+    one all-reduce: the tp ``Partial()`` float32 ones (three, one of them ``Shard`` on dp too:
+    the same pending dim), the ``avg`` one, the float64 one, the dp ``max`` one: four, then
+    one per reduction group (the whole mesh)."""
+    for rank, r in enumerate(pool4.run(_pending_gradients_case, norm_type)):
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-6), (rank, r)
+        assert r["left_as_they_were"], (rank, r)
+        assert r["all_reduces"] == 5, (rank, r)
 
 
 def _dp_ep_beside_dp_tp(norm_type: float) -> dict[str, Any]:

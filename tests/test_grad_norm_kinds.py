@@ -89,3 +89,45 @@ def test_unknown_reading_is_refused() -> None:
 
     with pytest.raises(ValueError, match="plain must be"):
         total_norm([torch.ones(2)], plain="sometimes")  # type: ignore[arg-type]
+
+
+def _float64_case() -> dict[str, Any]:
+    """A float64 TP model (a ``Shard`` weight and a sequence-parallel ``Partial`` gradient)
+    clipped with torch's own ``clip_grad_norm_`` after ``apply_all()``: the norm in float64,
+    as torch gives it on one device."""
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    import dtensor_patches
+    from dtensor_patches.testing import world_mesh
+
+    mesh, rank = world_mesh(), dist.get_rank()
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(3, generator=g)
+    b = b.double()
+    with dtensor_patches.patched():
+        pw = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
+        pb = torch.nn.Parameter(distribute_tensor(torch.zeros_like(b), mesh, [Shard(0)]))
+        pw.grad = distribute_tensor(w.clone(), mesh, [Shard(0)])
+        pb.grad = DTensor.from_local(b * (rank + 1) / 3, mesh, [Partial()], run_check=False)
+        norm = torch.nn.utils.clip_grad_norm_([pw, pb], max_norm=0.5)
+        clipped = [pw.grad.full_tensor(), pb.grad.full_tensor()]
+    refs = [torch.nn.Parameter(torch.zeros_like(w)), torch.nn.Parameter(torch.zeros_like(b))]
+    refs[0].grad, refs[1].grad = w.clone(), b.clone()
+    ref = torch.nn.utils.clip_grad_norm_(refs, max_norm=0.5)  # the single device
+    return {
+        "dtype": str(norm.dtype),
+        "norm": float(norm.full_tensor() if isinstance(norm, DTensor) else norm),
+        "expected": float(ref),
+        "clipped": all(
+            torch.allclose(c, r.grad, rtol=1e-12) for c, r in zip(clipped, refs, strict=True)
+        ),
+    }
+
+
+def test_float64_gradients_clipped_by_torch_own_call(pool2: RankPool) -> None:
+    """float64 gradients were refused (``vector_norm`` will not narrow float64 to the float32
+    it summed in); now their norm is float64, equal to the single device's."""
+    for rank, r in enumerate(pool2.run(_float64_case)):
+        assert r["dtype"] == "torch.float64", (rank, r)
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-12), (rank, r)
+        assert r["clipped"], (rank, r)

@@ -283,3 +283,78 @@ def test_partial_target_with_partial_operands(pool2: RankPool, op: str) -> None:
     for stock_right, patched_right in pool2.run(_partial_target_and_operands, op):
         assert patched_right or not stock_right, "apply_all() made a right result wrong"
         assert patched_right
+
+
+# name -> in-place foreach op on (targets, others): what clipping, gradient averaging and
+# optimizers do to lists of gradients.
+_FOREACH_OPS: dict[str, Any] = {
+    "mul_scalar": lambda ts, os: torch._foreach_mul_(ts, 0.5),
+    "mul_tensor": lambda ts, os: torch._foreach_mul_(ts, torch.tensor(0.25)),
+    "div_scalar": lambda ts, os: torch._foreach_div_(ts, 4.0),
+    "add_list_alpha": lambda ts, os: torch._foreach_add_(ts, os, alpha=-0.5),
+    "mul_scalar_list": lambda ts, os: torch._foreach_mul_(ts, [0.5 + i for i in range(len(ts))]),
+    "addcmul_scalar": lambda ts, os: torch._foreach_addcmul_(ts, os, os, value=0.3),
+    "exp": lambda ts, os: torch._foreach_exp_(ts),
+    "zero": lambda ts, os: torch._foreach_zero_(ts),
+}
+
+
+def _foreach_on_partial_targets(name: str) -> list[tuple[str, bool, bool]]:
+    """``name`` on a list of gradients as TP + SP leaves them (``Partial()`` norm weights beside
+    ``Shard(0)`` and ``Replicate()`` ones, ``Partial("avg")`` too), the others replicated: per
+    target, (placement, full value equal to the plain op's, placements unchanged)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from dtensor_patches.testing import world_mesh
+
+    mesh, rank = world_mesh(), dist.get_rank()
+    g = torch.Generator().manual_seed(4)
+    fulls = [torch.randn(4, 3, generator=g) for _ in range(4)]
+    others = [torch.randn(4, 3, generator=g) for _ in range(4)]
+    placements = [[Partial()], [Shard(0)], [Replicate()], [Partial("avg")]]
+    targets = []
+    for full, placement in zip(fulls, placements, strict=True):
+        if placement[0].is_partial():
+            share = full * (rank + 1) / 3 if placement[0].reduce_op == "sum" else full
+            targets.append(DTensor.from_local(share.clone(), mesh, placement, run_check=False))
+        else:
+            targets.append(distribute_tensor(full.clone(), mesh, placement))
+    other_dts = [distribute_tensor(o, mesh, [Replicate()]) for o in others]
+    expected = [f.clone() for f in fulls]
+    _FOREACH_OPS[name](expected, others)
+    fn = _FOREACH_OPS[name]
+    if name == "mul_tensor":
+        coefficient = distribute_tensor(torch.tensor(0.25), mesh, [Replicate()])
+        torch._foreach_mul_(targets, coefficient)
+    else:
+        fn(targets, other_dts)
+    return [
+        (
+            str(p[0]),
+            torch.allclose(t.full_tensor(), e, atol=1e-6),
+            tuple(t.placements) == tuple(p),
+        )
+        for t, e, p in zip(targets, expected, placements, strict=True)
+    ]
+
+
+def _patched_foreach(name: str) -> list[tuple[str, bool, bool]]:
+    import dtensor_patches
+
+    dtensor_patches.revert_all()
+    dtensor_patches.apply_all()
+    try:
+        return _foreach_on_partial_targets(name)
+    finally:
+        dtensor_patches.revert_all()
+
+
+@pytest.mark.parametrize("name", list(_FOREACH_OPS))
+def test_foreach_writes_reach_partial_targets(pool2: RankPool, name: str) -> None:
+    """Up to 2.11 the ``Partial`` targets of an in-place foreach op kept their old values
+    (``clip_grad_norm_`` left sequence-parallel gradients unclipped); with ``apply_all()`` every
+    target holds the single-device result in its own placements, on every release."""
+    for result in pool2.run(_patched_foreach, name):
+        for placement, equal, kept in result:
+            assert equal, (name, placement, result)
+            assert kept, (name, placement, result)

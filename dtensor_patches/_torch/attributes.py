@@ -18,7 +18,9 @@ The functions torch looks up by name when it runs, and where (same names 2.9 to 
   _disable_custom_loss_ops``;
 - DTensor asks ``OpDispatcher._try_replicate_spec_for_scalar_tensor`` what a plain tensor
   argument means, only for calls that have one; ``OpDispatcher._allow_implicit_replication`` is
-  the property ``implicit_replication()`` sets (:mod:`.implicit_replication`).
+  the property ``implicit_replication()`` sets (:mod:`.implicit_replication`);
+- a propagation cache miss runs ``ShardingPropagator.propagate_op_sharding_non_cached``
+  (2.10+: the C++ path's slow path, directly or through the Python cache built over it).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ FUNCTION_SITES: dict[str, tuple[str, ...]] = {
     "load_state_dict": ("torch.nn.modules.module:Module",),
     "_process_value_according_to_param_policy": ("torch.optim.optimizer:Optimizer",),
     "from_local": ("torch.distributed.tensor._api:DTensor",),
+    "propagate_op_sharding_non_cached": (
+        "torch.distributed.tensor._sharding_prop:ShardingPropagator",
+    ),
 }
 """Function name -> the owners (``module`` or ``module:Class``) where torch looks it up."""
 

@@ -36,6 +36,7 @@ __all__ = [
     "Tables",
     "clear_sharding_caches",
     "context_parallel_block_guard",
+    "counting_strategy_calls",
     "custom_op_handlers",
     "has_native_handler",
     "has_native_strategy",
@@ -49,6 +50,7 @@ __all__ = [
     "schema_infos",
     "set_static_argnum",
     "set_static_kwargkey",
+    "sharding_generation",
     "sharding_propagator",
     "table_names",
     "tables",
@@ -326,6 +328,46 @@ def register_custom_handler(op: OpOverload, handler: Callable[..., object]) -> N
     custom_op_handlers()[op] = handler
 
 
+_GENERATION = [0]
+
+
+def sharding_generation() -> int:
+    """How many times :func:`clear_sharding_caches` has run: a cache of decisions kept outside
+    torch's (keyed by something else) is stale once this number changes."""
+    return _GENERATION[0]
+
+
+@contextmanager
+def counting_strategy_calls(op: OpOverload) -> Iterator[list[int]]:
+    """Count, in the yielded list's length, how often torch runs ``op``'s sharding strategy
+    (each run is one propagation: the work a cached decision saves) inside the block. The
+    table entry is wrapped for the block and put back exactly as it was.
+
+    Raises:
+        PatchError: ``op`` has no strategy in this release's tables.
+    """
+    directory = tables()
+    present = set(table_names())
+    for name in STRATEGY_TABLES:
+        if name in present and op in directory[name]:  # type: ignore[operator]
+            table = directory[name]
+            break
+    else:
+        raise moved(f"the sharding strategy of {op}")
+    strategy = table[op]  # type: ignore[index]
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return strategy(*args, **kwargs)
+
+    table[op] = counted
+    try:
+        yield calls
+    finally:
+        table[op] = strategy
+
+
 def clear_sharding_caches() -> None:
     """Clear every cache of sharding decisions, in every thread, and the redistribution plans
     that were built from them.
@@ -347,6 +389,7 @@ def clear_sharding_caches() -> None:
     Raises:
         PatchError: a cache that this release must have is missing.
     """
+    _GENERATION[0] += 1
     propagator = sharding_propagator()
     cached = attribute(
         propagator, "propagate_op_sharding", "ShardingPropagator.propagate_op_sharding"

@@ -160,6 +160,8 @@ def total_norm(
     dtensor = dtensor_class()
     if not any(isinstance(t, dtensor) for t in tensors):
         return torch_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    # torch's result has the gradients' widest dtype: float64 gradients give a float64 norm.
+    wide = any(t.dtype == torch.float64 for t in tensors)
     return grad_norm(
         tensors,
         norm_type,
@@ -167,6 +169,7 @@ def total_norm(
         foreach=foreach,
         plain=plain,
         group=group,
+        dtype=torch.float64 if wide else torch.float32,
     )
 
 

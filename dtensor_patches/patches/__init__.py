@@ -58,6 +58,7 @@ from dtensor_patches.patches.parallel_styles import tp_tied_weights
 from dtensor_patches.patches.pointwise import (
     activations,
     elementwise_strategies,
+    float_keywords_unkeyed,
     ne_glu_entr,
     partial_add_scalar,
     partial_int_cast,
@@ -147,6 +148,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         order_stats.PATCH,
         size_arguments_keyed.PATCH,
         out_tensors_keyed.PATCH,
+        float_keywords_unkeyed.PATCH,
         flip_roll.PATCH,
         sdpa_cpu.PATCH,
         context_parallel_cpu.PATCH,

@@ -196,11 +196,22 @@ def _style_input(original: Any) -> Any:
 
     @functools.wraps(fn)  # torch counts its parameters
     def prepare_input(*args: Any) -> Any:
-        mod = args[-3]
-        with _local_boundaries.boundary(mod, _in_features):
+        if _no_plain_tensor(args[-2]):
+            return fn(*args)  # nothing to re-wrap: no boundary needed
+        with _local_boundaries.boundary(args[-3], _in_features):
             return fn(*args)
 
     return staticmethod(prepare_input)
+
+
+def _no_plain_tensor(inputs: Any) -> bool:
+    """Whether a style's ``inputs`` (a tuple) hold no tensor ``from_local`` could re-wrap: the
+    common case inside a TP + SP model, whose layers pass DTensors on (a loop over one or two
+    items: this runs on every layer)."""
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and holds_real_values(value):
+            return False
+    return True
 
 
 def _in_features(module: Any) -> int | None:
@@ -248,6 +259,12 @@ def _module_input_arg(original: Any) -> Any:
 
     @functools.wraps(original)
     def prepare_input_arg(self: Any, value: Any, mesh: Any, *args: Any, **kwargs: Any) -> Any:
+        if not holds_real_values(value):
+            # A DTensor (redistributed, no from_local: no boundary) or no tensor at all.
+            result = original(self, value, mesh, *args, **kwargs)
+            if hasattr(value, "device_mesh") and holds_real_values(result):
+                _local_boundaries.tag(result, mesh, value.shape)
+            return result
         with _local_boundaries.boundary(self) as built:
             result = original(self, value, mesh, *args, **kwargs)
         _tag_results([value], [result], mesh, built)

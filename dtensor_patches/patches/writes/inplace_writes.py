@@ -1,6 +1,6 @@
 """In-place writes on DTensors: ``Partial`` targets, fills, and writes through views.
 
-Three kinds of in-place write are wrong or refused by stock DTensor (measured on 2.9.1 to
+These in-place writes are wrong or refused by stock DTensor (measured on 2.9.1 to
 2.15.0, 2-rank gloo mesh):
 
 1. **An in-place op on a ``Partial`` target.** ``n = torch.linalg.vector_norm(x); n += 2``
@@ -12,6 +12,10 @@ Three kinds of in-place write are wrong or refused by stock DTensor (measured on
    ``mul_(-1)`` are not linear for a max/min reduction.
 2. ``aten.fill_.Tensor`` (``x[:, 0] = 1.0``, ``x.fill_(t)``) has no sharding strategy on any
    release (2.15 routes ``x[:, 0] = 1.0`` differently, but ``x.fill_(t)`` still fails).
+3. **An in-place foreach op with a ``Partial`` tensor in its written list** (``torch.
+   _foreach_mul_(grads, clip_coef)``, what ``clip_grad_norm_`` runs; ``_foreach_div_``,
+   ``_foreach_add_``...): on 2.9 to 2.11 every ``Partial`` target keeps its old value, silently
+   (the sequence-parallel gradients of a TP + SP model go unclipped); 2.12 writes them.
 
 Where it acts, and what that costs: one miss rule for every op (``ANY_OP``), consulted
 only when a call meets sharding propagation without a cached decision. Calls whose schema shows
@@ -30,6 +34,11 @@ none of the conditions below keep torch's decision, which is cached as usual: th
   doubled. Ops that overwrite every element (``fill_``, ``copy_``, ``zero_``, random fills)
   need no reduction at all. A failed op leaves the target untouched (the write is the last
   step).
+- *In-place foreach op with a ``Partial`` target* (2.9 to 2.11, seen in the schema: a
+  ``Partial`` spec in the written list): the ``Partial`` targets are computed by the
+  out-of-place foreach op on their reduced operands and written back as shares, as above; the
+  other targets run torch's own in-place foreach op. The list without a ``Partial`` target
+  (every optimizer step on parameters) keeps torch's cached decision.
 - *In-place op torch refuses as a placement change* (``x.add_(r)`` with ``x`` sharded on a dim
   shorter than the mesh, 2.12+): computed out of place and written into the target in its own
   placements.
@@ -167,10 +176,108 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
         if error is not None and _PLACEMENT_CHANGE_REFUSAL in str(error) and _has_twin(op):
             return _through_out_of_place
         return None
+    if (
+        writes_self(op)
+        and args
+        and _partial_in_list(args[0])
+        and torch_release() < _FOREACH_PARTIAL_TARGETS_WRITTEN
+    ):
+        return _write_foreach_targets
     return None
 
 
 # --- Partial targets ------------------------------------------------------------------------
+
+# Measured: up to 2.11 an in-place foreach op (``_foreach_mul_``, ``_foreach_div_``,
+# ``_foreach_add_``, ...) leaves every ``Partial`` tensor of its written list unchanged (the
+# write lands in a redistributed copy); 2.12 writes them.
+_FOREACH_PARTIAL_TARGETS_WRITTEN = Version("2.12")
+
+
+def _partial_in_list(value: Any) -> bool:
+    return isinstance(value, list | tuple) and any(
+        _is_spec(v) and any(p.is_partial() for p in v.placements) for v in value
+    )
+
+
+def _reduced_all(value: Any) -> Any:
+    """:func:`_reduced` of ``value``, or of each item of a list of them."""
+    if isinstance(value, list | tuple):
+        return [_reduced(v) for v in value]
+    return _reduced(value)
+
+
+def _write_foreach_targets(op_call: Any, args: Any, kwargs: Any) -> None:
+    """An in-place foreach op with a ``Partial`` tensor among its written list. The ``Partial``
+    targets: the out-of-place foreach op on their reduced operands, each result written into
+    its target as shares of the target's own placements (:func:`_shares_of`). The other
+    targets (torch writes those right): torch's own in-place foreach op on them alone. The
+    ``Partial`` targets' results are computed before any target is written; placements
+    unchanged. Cost: one all-reduce per ``Partial`` target (and ``Partial`` operand of it)."""
+    targets = list(args[0])
+    count = len(targets)
+    pending = [i for i, t in enumerate(targets) if any(p.is_partial() for p in t.placements)]
+    rest = [i for i in range(count) if i not in set(pending)]
+
+    def pick(value: Any, positions: list[int], reduce: bool) -> Any:
+        if isinstance(value, list | tuple) and len(value) == count:
+            picked = [value[i] for i in positions]
+            return [_reduced(v) for v in picked] if reduce else picked
+        return _reduced(value) if reduce else value
+
+    with torch.no_grad():
+        results = _out_of_place(op_call)(
+            *[pick(a, pending, True) for a in args],
+            **{k: pick(v, pending, True) for k, v in kwargs.items()},
+        )
+        planned = [
+            _shares_of(op_call, targets[i], result)
+            for i, result in zip(pending, results, strict=True)
+        ]
+        if rest:
+            op_call(
+                *[pick(a, rest, False) for a in args],
+                **{k: pick(v, rest, False) for k, v in kwargs.items()},
+            )
+        for i, (new_local, written) in zip(pending, planned, strict=True):
+            target = targets[i]
+            local_tensor(target).copy_(new_local)
+            if written != tuple(target.placements):
+                relabel(target, written)
+
+
+def _shares_of(op_call: Any, target: Any, value: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """The local tensor that makes ``target`` hold ``value`` (a DTensor of its shape) in its own
+    placements (``Partial(sum)``: the value on mesh coordinate 0, zeros elsewhere), and those
+    placements (a ``Partial`` subclass with its own reduction becomes ``Replicate()``; refused
+    for a view, whose base would be left inconsistent)."""
+    mesh, placements = target.device_mesh, tuple(target.placements)
+    written = _written_placements(op_call, target)
+    settled = value.redistribute(mesh, _settled(placements))
+    shares = partial_shares(local_tensor(settled), mesh, written)
+    return shares.to(local_tensor(target).dtype), written
+
+
+def _written_placements(op_call: Any, target: Any) -> tuple[Any, ...]:
+    """The placements ``target`` holds a written value in: its own, with each ``Partial``
+    subclass that has a reduction of its own (``_NormPartial``) as ``Replicate()``.
+
+    Raises:
+        RuntimeError: such a target is a view (its base would be left inconsistent).
+    """
+    from torch.distributed.tensor import Partial, Replicate
+
+    placements = tuple(target.placements)
+    own_reduction = [p.is_partial() and type(p) is not Partial for p in placements]
+    if any(own_reduction) and has_base(target):
+        raise RuntimeError(
+            f"{op_call}: in-place write into a view of a DTensor placed {placements}, whose "
+            "pending reduction cannot hold arbitrary values as shares; reduce it first "
+            "(x = x.redistribute(placements=[Replicate()]) or x.full_tensor())"
+        )
+    return tuple(
+        Replicate() if own else p for p, own in zip(placements, own_reduction, strict=True)
+    )
 
 
 def _settled(placements: Any) -> list[Any]:
@@ -195,20 +302,9 @@ def _write_partial_target(op_call: Any, args: Any, kwargs: Any) -> Any:
     mesh dims become ``Replicate()`` holding the value, which is only safe when nothing else
     aliases the target, so a view of such a target is refused.
     """
-    from torch.distributed.tensor import Partial, Replicate
-
     target = args[0]
     mesh, placements = target.device_mesh, tuple(target.placements)
-    own_reduction = [p.is_partial() and type(p) is not Partial for p in placements]
-    if any(own_reduction) and has_base(target):
-        raise RuntimeError(
-            f"{op_call}: in-place write into a view of a DTensor placed {placements}, whose "
-            "pending reduction cannot hold arbitrary values as shares; reduce it first "
-            "(x = x.redistribute(placements=[Replicate()]) or x.full_tensor())"
-        )
-    written = tuple(
-        Replicate() if own else p for p, own in zip(placements, own_reduction, strict=True)
-    )
+    written = _written_placements(op_call, target)
     kind = _call_kind(str(op_call), args, placements)
     with torch.no_grad():
         if kind is _Kind.OVERWRITES:
@@ -345,6 +441,13 @@ def _fill_with_tensor(x: torch.Tensor) -> torch.Tensor:
     return x.fill_(torch.tensor(2.5))
 
 
+def _foreach_scale_of_sum(x: torch.Tensor) -> torch.Tensor:
+    # What clip_grad_norm_ does to pending sequence-parallel gradients.
+    p = x.sum(0)
+    torch._foreach_mul_([p], 0.5)
+    return p
+
+
 # The tripwire's cases: Partial targets (views of them too), ``fill_.Tensor``.
 CASES = [
     Case("vector_norm(x) += 2", _norm_plus_two, lambda: [randn(5, 6)], ["S0"]),
@@ -355,6 +458,7 @@ CASES = [
     Case("x.amax(0).mul_(-1)", _negate_max, lambda: [randn(5, 6)], ["S0"]),
     Case("x[:, 0] = 1.0", _first_column, lambda: [randn(5, 6)], ["S0"], inplace=True),
     Case("x.fill_(tensor)", _fill_with_tensor, lambda: [randn(5, 6)], ["S1"], inplace=True),
+    Case("_foreach_mul_([x.sum(0)], 0.5)", _foreach_scale_of_sum, lambda: [randn(5, 6)], ["S0"]),
 ]
 
 
