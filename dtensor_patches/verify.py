@@ -427,8 +427,17 @@ class _Checker:
                 label = f"written argument {names[i]}="
             else:
                 continue
+            if isinstance(got_w, list | tuple):
+                # The written list of an in-place foreach op (``_foreach_mul_``): it returns
+                # nothing, so each written tensor is judged here.
+                for j, (item, want_item) in enumerate(zip(got_w, want_w, strict=False)):
+                    if isinstance(item, torch.Tensor):
+                        problem = _compare(item, want_item, self.atol, self.rtol)
+                        if problem is not None:
+                            return (f"{label}[{j}]: {problem[0]}", problem[1])
+                continue
             if not isinstance(got_w, torch.Tensor):
-                continue  # lists of written tensors (``_foreach_*_``): judged by their outputs
+                continue
             problem = _compare(got_w, want_w, self.atol, self.rtol)
             if problem is not None:
                 return (f"{label}: {problem[0]}", problem[1])

@@ -296,3 +296,40 @@ def test_verify_flags_ranks_disagreeing_on_a_shape_or_a_replicated_plain_tensor(
         assert got["spec_error"] is not None and "disagree on the global spec" in got["spec_error"]
         assert any("differs between the ranks" in p for p in got["plain"]), got["plain"]
         assert got["clean"] == []
+
+
+def _foreach_scale_of_partial(mesh: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial
+
+    share = torch.arange(6.0).reshape(2, 3) * (1 if dist.get_rank() == 0 else -0.5)
+    pending = DTensor.from_local(share, mesh, [Partial()])
+    torch._foreach_mul_([pending], 0.5)  # KIND-LINE
+
+
+def _foreach_write(apply_fix: bool) -> dict[str, Any]:
+    import dtensor_patches as dp
+    from dtensor_patches import registry
+
+    with registry.patched(exclude=() if apply_fix else ("inplace_writes",)):
+        try:
+            with dp.verify(raise_on_mismatch=True):
+                _foreach_scale_of_partial(_mesh())
+        except dp.VerifyError as exc:
+            return {"op": exc.mismatch.op, "text": str(exc.mismatch)}
+    return {"op": None}
+
+
+def test_verify_judges_every_tensor_an_inplace_foreach_op_writes(pool2: RankPool) -> None:
+    """An in-place foreach op returns nothing: its written list is what verify() compares.
+    Up to 2.11 torch leaves a ``Partial`` target of ``_foreach_mul_`` unscaled (what
+    ``clip_grad_norm_`` does to pending gradients); ``inplace_writes`` writes it."""
+    from packaging.version import Version
+
+    lost = Version(torch.__version__.split("+")[0]) < Version("2.12")
+    for r in pool2.run(_foreach_write, False):
+        assert r["op"] == ("aten._foreach_mul_.Scalar" if lost else None), r
+        if lost:
+            assert "written argument 0[0]" in r["text"], r["text"]
+    for r in pool2.run(_foreach_write, True):
+        assert r["op"] is None, r
