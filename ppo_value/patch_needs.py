@@ -14,6 +14,8 @@ registered patch whose ``ops`` include one of them. CI re-records it
 - ``inplace_writes``: ``add_``, ``mul_``, ``addcmul_``, ``addcdiv_``, ``lerp_`` (AdamW,
   gradient accumulation), ``copy_`` (loading state dicts);
 - ``full_state_dict``: ``copy_`` of full tensors into sharded parameters (checkpoint loading);
+- ``float_keywords_unkeyed``: ``addcdiv_`` / ``add_`` with a float keyword that changes every
+  step (AdamW's ``value=``; gated to 2.10 and 2.11, where torch re-propagates them);
 - ``partial_add_scalar``: ``add.Tensor`` (residual stream, value head bias);
 - ``partial_int_cast``: ``_to_copy`` (``.float()`` of hidden states, dtype casts);
 - ``partial_item``: ``_local_scalar_dense`` (``.item()`` of the grad norm);
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 #: Patches whose ops the critic runs on DTensors (see the module docstring for how found).
 CRITIC_PATCHES: frozenset[str] = frozenset(
     {
+        "float_keywords_unkeyed",
         "full_state_dict",
         "inplace_writes",
         "mask_partial_reduced_first",

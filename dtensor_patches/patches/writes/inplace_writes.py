@@ -66,6 +66,7 @@ from dtensor_patches._torch.dtensors import (
     relabel,
     rewrap,
 )
+from dtensor_patches._torch.modes import foreach_mul_
 from dtensor_patches._torch.schemas import resolve_op, writes_self
 from dtensor_patches._torch.tables import has_native_strategy
 from dtensor_patches._torch.versions import torch_release
@@ -444,7 +445,7 @@ def _fill_with_tensor(x: torch.Tensor) -> torch.Tensor:
 def _foreach_scale_of_sum(x: torch.Tensor) -> torch.Tensor:
     # What clip_grad_norm_ does to pending sequence-parallel gradients.
     p = x.sum(0)
-    torch._foreach_mul_([p], 0.5)
+    foreach_mul_()([p], 0.5)
     return p
 
 
