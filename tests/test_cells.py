@@ -59,6 +59,9 @@ def _verify_and_rule_keys() -> list[tuple[str, str]]:
 
     propagator = tables.sharding_propagator()
     original = propagator.propagate_op_sharding_non_cached
+    # The spy is an instance attribute; restoring means removing it again where the instance
+    # had none (else the bound method left behind hides every later class-level change).
+    had_own = "propagate_op_sharding_non_cached" in vars(propagator)
 
     def spy(schema: Any) -> Any:
         seen.append(schema_cell(schema))
@@ -73,7 +76,10 @@ def _verify_and_rule_keys() -> list[tuple[str, str]]:
                 torch.ops.aten.add.Tensor(a, b)
                 torch.ops.aten.cat.default([a, b], 1)
     finally:
-        propagator.propagate_op_sharding_non_cached = original
+        if had_own:
+            propagator.propagate_op_sharding_non_cached = original
+        else:
+            del propagator.propagate_op_sharding_non_cached
         tables.clear_sharding_caches()
     layouts = [layout_of(t.placements, t.shape, mesh.shape) for t in (x, y, z, p)]
     for a, b in ((0, 1), (1, 2), (0, 3)):
