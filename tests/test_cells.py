@@ -141,12 +141,24 @@ def _families() -> dict[str, list[Any]]:
 FAMILIES = sorted(_families())
 
 
+def _sample(cells: list[Any], count: int = 4) -> list[Any]:
+    """Up to ``count`` cells of as many different ops, spread over the family's ops in key
+    order (a family's first cells in key order are often one op's placements)."""
+    first: dict[str, Any] = {}
+    for cell in cells:
+        first.setdefault(cell.op, cell)
+    ops = list(first.values())
+    if len(ops) <= count:
+        return ops
+    return [ops[i * len(ops) // count] for i in range(count)]
+
+
 def _replay_sample(family: str, patched: bool) -> list[tuple[str, str | None]]:
     import dtensor_patches
     from dtensor_patches.cell_replay import replay
     from dtensor_patches.testing import world_mesh
 
-    cells = _families()[family][:4]
+    cells = _sample(_families()[family])
     results = []
     dtensor_patches.revert_all()  # stock torch (this pool's tests apply in blocks only)
     if patched:

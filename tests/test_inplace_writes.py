@@ -358,3 +358,86 @@ def test_foreach_writes_reach_partial_targets(pool2: RankPool, name: str) -> Non
         for placement, equal, kept in result:
             assert equal, (name, placement, result)
             assert kept, (name, placement, result)
+
+
+def _foreach_linear_collectives(name: str) -> tuple[int, bool]:
+    """``name`` (linear in its targets) on ``Partial(sum)``/``Partial("avg")`` gradients under
+    ``apply_all()``: (collectives counted by ``CommDebugMode`` during the op, every target
+    equal to the plain op's result)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import dtensor_patches
+    from dtensor_patches.testing import world_mesh
+
+    dtensor_patches.revert_all()
+    dtensor_patches.apply_all()
+    try:
+        mesh, rank = world_mesh(), dist.get_rank()
+        g = torch.Generator().manual_seed(6)
+        fulls = [torch.randn(4, 3, generator=g) for _ in range(3)]
+        placements = [[Partial()], [Partial("avg")], [Partial()]]
+        targets = [
+            DTensor.from_local(
+                (f * (rank + 1) / 3 if p[0].reduce_op == "sum" else f).clone(),
+                mesh,
+                p,
+                run_check=False,
+            )
+            for f, p in zip(fulls, placements, strict=True)
+        ]
+        expected = [f.clone() for f in fulls]
+        _FOREACH_OPS[name](expected, None)
+        coefficient = distribute_tensor(torch.tensor(0.25), mesh, [Replicate()])
+        with CommDebugMode() as comm:
+            if name == "mul_tensor":
+                torch._foreach_mul_(targets, coefficient)
+            else:
+                _FOREACH_OPS[name](targets, None)
+        equal = all(
+            torch.allclose(t.full_tensor(), e, atol=1e-6)
+            for t, e in zip(targets, expected, strict=True)
+        )
+        return comm.get_total_counts(), equal
+    finally:
+        dtensor_patches.revert_all()
+
+
+@pytest.mark.parametrize(
+    "name", ["mul_scalar", "mul_tensor", "div_scalar", "mul_scalar_list", "zero"]
+)
+def test_foreach_linear_writes_move_nothing(pool2: RankPool, name: str) -> None:
+    """Scaling or zeroing pending sums needs no reduction (the lower bound is zero bytes):
+    ``clip_grad_norm_``'s ``_foreach_mul_`` on sequence-parallel gradients, right and with no
+    collective after ``apply_all()`` on every release."""
+    for collectives, equal in pool2.run(_foreach_linear_collectives, name):
+        assert equal, name
+        assert collectives == 0, (name, collectives)
+
+
+def _foreach_scale_of_max(factor: float) -> bool:
+    """``_foreach_mul_`` by ``factor`` on a ``Partial("max")`` target (not linear for a
+    negative factor: max(-a, -b) is not -max(a, b)) under ``apply_all()``: the full value
+    equals the plain op's."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    import dtensor_patches
+    from dtensor_patches.testing import world_mesh
+
+    dtensor_patches.revert_all()
+    dtensor_patches.apply_all()
+    try:
+        mesh, rank = world_mesh(), dist.get_rank()
+        g = torch.Generator().manual_seed(7)
+        shares = [torch.randn(4, 3, generator=g) for _ in range(dist.get_world_size())]
+        full = torch.stack(shares).amax(0)
+        target = DTensor.from_local(shares[rank].clone(), mesh, [Partial("max")], run_check=False)
+        torch._foreach_mul_([target], factor)
+        return torch.allclose(target.full_tensor(), full * factor)
+    finally:
+        dtensor_patches.revert_all()
+
+
+@pytest.mark.parametrize("factor", [-2.0, 0.5])
+def test_foreach_scale_of_partial_max(pool2: RankPool, factor: float) -> None:
+    assert all(pool2.run(_foreach_scale_of_max, factor))

@@ -41,6 +41,7 @@ __all__ = [
     "local_tensor",
     "make_dtensor",
     "module_parameters",
+    "norm_partial_class",
     "relabel",
     "rewrap",
     "set_local",
@@ -352,6 +353,21 @@ def is_mask_partial(placement: Placement) -> bool:
         PatchError: the class moved.
     """
     return isinstance(placement, mask_partial_class())
+
+
+@functools.cache
+def norm_partial_class() -> type:
+    """torch's ``_NormPartial`` placement class (the pending p-norm of a vector norm over a
+    sharded dim: its shares combine as ``(sum |share|^p)^(1/p)``, not as a sum;
+    ``torch.distributed.tensor._ops._math_ops`` on 2.9 to 2.15).
+
+    Raises:
+        PatchError: the class moved.
+    """
+    found = internal("torch.distributed.tensor._ops._math_ops", "_NormPartial")
+    if not isinstance(found, type):
+        raise moved("torch.distributed.tensor._ops._math_ops._NormPartial", "not a class")
+    return found
 
 
 def check_internals() -> None:

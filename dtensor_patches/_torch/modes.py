@@ -22,6 +22,7 @@ __all__ = [
     "current_dispatch_mode",
     "dispatch_mode_class",
     "finish_inplace_view",
+    "foreach_max",
     "foreach_mul_",
     "foreach_norm",
     "queue_backward_callback",
@@ -96,6 +97,15 @@ def foreach_mul_() -> Any:
         PatchError: the function moved.
     """
     return attribute(torch, "_foreach_mul_", "torch._foreach_mul_")
+
+
+def foreach_max() -> Any:
+    """``torch._foreach_max`` (the maximum of each tensor of a list, 2.6+).
+
+    Raises:
+        PatchError: the function moved.
+    """
+    return attribute(torch, "_foreach_max", "torch._foreach_max")
 
 
 def foreach_norm() -> Any:

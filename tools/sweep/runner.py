@@ -65,22 +65,35 @@ def _op_key(op: Any) -> str:
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
 
 
-def _op_db() -> dict[str, Any]:
-    from torch.testing._internal.common_methods_invocations import op_db
+def _op_db(foreach: bool = False) -> dict[str, Any]:
+    """op_db's OpInfos by key; with ``foreach``, also torch's foreach OpInfos (kept in lists of
+    their own, outside op_db: ``_foreach_mul``, ``_foreach_norm``, ...)."""
+    from torch.testing._internal import common_methods_invocations as cmi
 
-    return {_op_key(op): op for op in op_db}
+    infos = list(cmi.op_db)
+    if foreach:
+        for name in (
+            "foreach_unary_op_db",
+            "foreach_binary_op_db",
+            "foreach_pointwise_op_db",
+            "foreach_reduce_op_db",
+            "foreach_other_op_db",
+        ):
+            infos.extend(getattr(cmi, name, ()))
+    return {_op_key(op): op for op in infos}
 
 
 def list_ops(
-    ops: Sequence[str] | None = None, match: str | None = None
+    ops: Sequence[str] | None = None, match: str | None = None, foreach: bool = False
 ) -> list[tuple[str, str, str | None]]:
-    """``(key, name, skip reason or None)`` of every OpInfo selected by ``ops`` / ``match``.
+    """``(key, name, skip reason or None)`` of every OpInfo selected by ``ops`` / ``match``
+    (with ``foreach``: torch's foreach OpInfos too, see :func:`_op_db`).
 
     ``ops`` selects by OpInfo name or by ``name.variant`` key; ``match`` by substring of the key.
     """
     out = []
     wanted = set(ops or ())
-    for key, op in _op_db().items():
+    for key, op in _op_db(foreach).items():
         if wanted and key not in wanted and op.name not in wanted:
             continue
         if match and match not in key:

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         apply_patches=args.apply_patches,
         without_routing=args.without_routing,
     )
-    selected = list_ops(args.ops.split(",") if args.ops else None, args.match)
+    selected = list_ops(args.ops.split(",") if args.ops else None, args.match, foreach=True)
     keys = [key for key, _, reason in selected if not reason]
     if args.ops_from is not None:
         found = {k for k, r in _done(args.ops_from).items() if r["cells"] or r["unattributed"]}

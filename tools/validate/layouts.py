@@ -52,6 +52,7 @@ def placements_for(pattern: str, tensors: Sequence[Any]) -> tuple[str, ...]:
 def make_dtensor(t: Any, placement: str, mesh: Any, requires_grad: bool) -> Any:
     """A DTensor on ``mesh`` whose full value is ``t`` (see :mod:`dtensor_patches.cell_record`
     for how ``Partial`` shares are chosen), a leaf with ``requires_grad`` where asked."""
+    import torch
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     t = t.detach().clone()
@@ -63,8 +64,11 @@ def make_dtensor(t: Any, placement: str, mesh: Any, requires_grad: bool) -> Any:
         from dtensor_patches.cell_record import partial_local
 
         partial = [Partial(placement[2:])]
-        local = partial_local(t, partial, mesh)
-        out = DTensor.from_local(local.contiguous(), mesh, partial, run_check=False)
+        # Fresh contiguous strides on every rank: an empty sample counts as contiguous with
+        # any strides, and a share computed on one rank only (max/min) would get new ones, so
+        # the ranks would disagree on the global stride.
+        local = partial_local(t, partial, mesh).clone(memory_format=torch.contiguous_format)
+        out = DTensor.from_local(local, mesh, partial, run_check=False)
     if requires_grad and (t.is_floating_point() or t.is_complex()):
         out = out.detach().requires_grad_(True)
     return out

@@ -34,6 +34,11 @@ def family_of(aten_op: str, opinfo_name: str) -> str:
     """The op family a cell is reported under: its aten packet's sweep category, else its
     OpInfo's."""
     packet = aten_op.split(".")[1] if aten_op.count(".") >= 2 else aten_op
+    if packet.startswith("_foreach_"):
+        # An in-place foreach op writes a list of tensors; an out-of-place one is its op's.
+        if packet.endswith("_"):
+            return "indexing and in-place writes"
+        packet = packet[len("_foreach_") :]
     family = categorize(packet.rstrip("_"))
     if family == categorize("__none__"):
         family = categorize(opinfo_name)
@@ -51,7 +56,12 @@ def _samples(op: Any, options: Options) -> list[Any]:
     grad = options.backward and op.supports_autograd and dtype.is_floating_point
     torch.manual_seed(0)
     random.seed(0)
-    samples = op.sample_inputs("cpu", dtype, requires_grad=grad)
+    if op.name.startswith("_foreach_"):
+        # Three tensors per list (sizes 3, 2, 1: uneven and empty shards on 2 ranks), not the
+        # generator's twenty: the same layouts, a cell key of readable length.
+        samples = op.sample_inputs("cpu", dtype, requires_grad=grad, num_input_tensors=[3])
+    else:
+        samples = op.sample_inputs("cpu", dtype, requires_grad=grad)
     return list(itertools.islice(samples, options.max_candidates))
 
 
@@ -70,7 +80,8 @@ def _call(variant: str, op: Any) -> Callable[..., Any] | None:
     if variant == "inplace":
         return op.inplace_variant
     if variant == "out":
-        return op.op if op.supports_out else None
+        # Foreach OpInfos claim out= support, but torch's foreach functions take no out=.
+        return op.op if op.supports_out and not op.name.startswith("_foreach_") else None
     return op.op
 
 
@@ -202,7 +213,7 @@ def validate_ops(keys: list[str], options: Options) -> list[dict[str, Any]]:
         routing = [p.name for p in all_patches() if p.name.startswith("wrong_cells_")]
         dtensor_patches.apply_all(exclude=routing if options.without_routing else ())
     torch.set_num_threads(1)
-    table = _op_db()
+    table = _op_db(foreach=True)
     world = dist.get_world_size()
     records = []
     for key in keys:

@@ -13,7 +13,8 @@ Fix (a custom handler replacing torch's): without ``dim``, the input is gathered
 reduced) and the op runs once on the full tensor, so ties resolve exactly as on one device;
 the 0-d (or all-ones with ``keepdim``) index is ``Replicate()``. With ``dim`` the call goes to
 torch's own handler where there is one (2.10+, correct there: it gathers only per-rank
-winners), except for a 1-D input, where torch's handler raises on a reshape
+winners), except where the sharded dim leaves a rank's shard empty (torch's handler raises on
+that rank and the others hang) and for a 1-D input, where torch's handler raises on a reshape
 (``logits[-1].argmax(-1)`` of vocab-sharded logits: ``shape '[1, 4, 2]' is invalid``, measured on
 2.13); on 2.9, which has no handler, and for 1-D inputs, a sharded reduced dim is answered
 from per-rank winners too (each rank's best value and global index, all-gathered: two tensors
@@ -140,6 +141,20 @@ def _along_dim(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
     )
 
 
+def _empty_shard_along(x: Any, dim: int) -> bool:
+    """Whether ``dim`` of ``x`` is sharded so that some rank's shard is empty (torch's handler
+    then raises on that rank only, in its local kernel, and the others hang in its gather)."""
+    from dtensor_patches.patches.reductions.empty_shard_extrema import leaves_a_rank_empty
+
+    dim %= max(x.ndim, 1)
+    return any(
+        is_shard(p)
+        and p.dim % x.ndim == dim
+        and leaves_a_rank_empty(x.shape[dim], x.device_mesh.size(i))
+        for i, p in enumerate(x.placements)
+    )
+
+
 def _handler(native: Callable[..., Any] | None) -> Callable[..., Any]:
     def handle(op_call: Any, args: Any, kwargs: Any) -> Any:
         from torch.distributed.tensor import DTensor, Replicate
@@ -148,7 +163,7 @@ def _handler(native: Callable[..., Any] | None) -> Callable[..., Any]:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         if dim is not None:
-            if native is not None and x.ndim > 1:
+            if native is not None and x.ndim > 1 and not _empty_shard_along(x, dim):
                 return native(op_call, args, kwargs)
             return _along_dim(op_call, x, dim, keepdim)
         # The whole tensor: gather once, so ties resolve in flattened order as on one device.

@@ -37,8 +37,14 @@ none of the conditions below keep torch's decision, which is cached as usual: th
 - *In-place foreach op with a ``Partial`` target* (2.9 to 2.11, seen in the schema: a
   ``Partial`` spec in the written list): the ``Partial`` targets are computed by the
   out-of-place foreach op on their reduced operands and written back as shares, as above; the
-  other targets run torch's own in-place foreach op. The list without a ``Partial`` target
-  (every optimizer step on parameters) keeps torch's cached decision.
+  other targets run torch's own in-place foreach op. Ops linear in the targets
+  (``_foreach_mul_``/``_foreach_div_`` by a number or a replicated 0-dim tensor on
+  ``Partial(sum/avg)``, ``_foreach_zero_``) scale the shares where they are instead, with no
+  communication. From 2.12 torch writes them itself, but refuses those it has no
+  placement-keeping strategy for (``_foreach_zero_``, ``_foreach_exp_``: "in-place operations
+  that require placement changes"): those take the same path instead of the fallback's gather.
+  The list without a ``Partial`` target (every optimizer step on parameters) keeps torch's
+  cached decision.
 - *In-place op torch refuses as a placement change* (``x.add_(r)`` with ``x`` sharded on a dim
   shorter than the mesh, 2.12+): computed out of place and written into the target in its own
   placements.
@@ -148,9 +154,16 @@ def _call_kind(name: str, args: Any, placements: Any) -> _Kind:
     ):
         kind = _Kind.LINEAR
     if kind is _Kind.LINEAR:
+        from torch.distributed.tensor import Partial
+
         reduce_ops = {str(p.reduce_op) for p in placements if p.is_partial()}
-        if torch_release() < _NATIVE_LINEAR_INPLACE_ON_PARTIAL or not (
-            reduce_ops <= _LINEAR_REDUCE_OPS
+        # A Partial subclass with a reduction of its own (a pending p-norm: reduce_op "sum",
+        # but its shares combine as a norm) is not linear in a negative factor.
+        own = any(p.is_partial() and type(p) is not Partial for p in placements)
+        if (
+            own
+            or torch_release() < _NATIVE_LINEAR_INPLACE_ON_PARTIAL
+            or not (reduce_ops <= _LINEAR_REDUCE_OPS)
         ):
             return _Kind.OVERWRITES if name == "aten.zero_.default" else _Kind.REDUCES
     return kind
@@ -177,13 +190,15 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
         if error is not None and _PLACEMENT_CHANGE_REFUSAL in str(error) and _has_twin(op):
             return _through_out_of_place
         return None
-    if (
-        writes_self(op)
-        and args
-        and _partial_in_list(args[0])
-        and torch_release() < _FOREACH_PARTIAL_TARGETS_WRITTEN
-    ):
-        return _write_foreach_targets
+    if writes_self(op) and args and _partial_in_list(args[0]):
+        if torch_release() < _FOREACH_PARTIAL_TARGETS_WRITTEN:
+            return _write_foreach_targets
+        # 2.12+ writes them where it has a strategy, and refuses the others (``_foreach_zero_``,
+        # ``_foreach_exp_``, ...) as a placement change, which the fallback would answer by
+        # gathering every tensor of the list.
+        error = native.error()
+        if error is not None and _PLACEMENT_CHANGE_REFUSAL in str(error):
+            return _write_foreach_targets
     return None
 
 
@@ -214,11 +229,19 @@ def _write_foreach_targets(op_call: Any, args: Any, kwargs: Any) -> None:
     its target as shares of the target's own placements (:func:`_shares_of`). The other
     targets (torch writes those right): torch's own in-place foreach op on them alone. The
     ``Partial`` targets' results are computed before any target is written; placements
-    unchanged. Cost: one all-reduce per ``Partial`` target (and ``Partial`` operand of it)."""
+    unchanged. Cost: one all-reduce per ``Partial`` target (and ``Partial`` operand of it),
+    except for ops linear in the targets (``_foreach_mul_``/``_foreach_div_`` by a number or a
+    replicated 0-dim tensor on ``Partial(sum/avg)``, ``_foreach_zero_``: what gradient clipping
+    and ``zero_grad`` run), which scale the shares where they are and move nothing
+    (:func:`_scale_foreach_shares`)."""
     targets = list(args[0])
     count = len(targets)
     pending = [i for i, t in enumerate(targets) if any(p.is_partial() for p in t.placements)]
     rest = [i for i in range(count) if i not in set(pending)]
+    factor = _linear_factor(op_call, args, kwargs, [targets[i] for i in pending])
+    if factor is not _NOT_LINEAR:
+        _scale_foreach_shares(op_call, args, kwargs, pending, rest, factor)
+        return
 
     def pick(value: Any, positions: list[int], reduce: bool) -> Any:
         if isinstance(value, list | tuple) and len(value) == count:
@@ -245,6 +268,80 @@ def _write_foreach_targets(op_call: Any, args: Any, kwargs: Any) -> None:
             local_tensor(target).copy_(new_local)
             if written != tuple(target.placements):
                 relabel(target, written)
+
+
+# In-place foreach ops linear in each target: scaling or zeroing every share scales or zeroes
+# the pending sum (or mean), so the shares are written where they are, with no reduction.
+# ``zero_`` is right for every reduction (all shares zero reduce to zero).
+_FOREACH_SCALES = frozenset(
+    {
+        "aten._foreach_mul_.Scalar",
+        "aten._foreach_mul_.ScalarList",
+        "aten._foreach_mul_.Tensor",
+        "aten._foreach_div_.Scalar",
+        "aten._foreach_div_.ScalarList",
+        "aten._foreach_div_.Tensor",
+    }
+)
+_FOREACH_ZERO = "aten._foreach_zero_.default"
+_NOT_LINEAR = object()
+
+
+def _linear_factor(op_call: Any, args: Any, kwargs: Any, pending: list[Any]) -> Any:
+    """The factor of an in-place foreach op that is linear in every ``Partial`` target of
+    ``pending`` (``None`` for ``_foreach_zero_``; the local tensor of a ``Tensor`` factor), or
+    :data:`_NOT_LINEAR`. Linear: ``_foreach_zero_`` on any ``Partial``; ``_foreach_mul_``/
+    ``_foreach_div_`` by numbers, or by one 0-dim tensor held whole on every rank (a plain
+    tensor or an all-``Replicate()`` DTensor: what ``clip_grad_norm_`` scales by), on targets
+    whose every ``Partial`` is torch's own ``Partial`` of ``sum`` or ``avg``."""
+    from torch.distributed.tensor import Partial
+
+    name = str(op_call)
+    if name == _FOREACH_ZERO:
+        return None
+    if name not in _FOREACH_SCALES or kwargs:
+        return _NOT_LINEAR
+    for target in pending:
+        for p in target.placements:
+            if p.is_partial() and (
+                type(p) is not Partial or str(p.reduce_op) not in _LINEAR_REDUCE_OPS
+            ):
+                return _NOT_LINEAR
+    factor = args[1] if len(args) > 1 else None
+    if name.endswith(".Tensor"):
+        if not isinstance(factor, torch.Tensor) or factor.dim() != 0:
+            return _NOT_LINEAR
+        if isinstance(factor, dtensor_class()):
+            if not all(p.is_replicate() for p in factor.placements):
+                return _NOT_LINEAR
+            return local_tensor(factor)
+        return factor
+    return factor
+
+
+def _scale_foreach_shares(
+    op_call: Any, args: Any, kwargs: Any, pending: list[int], rest: list[int], factor: Any
+) -> None:
+    """:func:`_write_foreach_targets` for an op linear in each ``Partial`` target
+    (:func:`_linear_factor`): torch's own op on the other targets, then the same op on the
+    ``Partial`` targets' local shares. No communication; placements unchanged. A failure of
+    torch's op leaves every ``Partial`` target as it was."""
+    targets = list(args[0])
+    count = len(targets)
+    if rest:
+        picked = [
+            [a[i] for i in rest] if isinstance(a, list | tuple) and len(a) == count else a
+            for a in args
+        ]
+        op_call(*picked, **kwargs)
+    shares = [local_tensor(targets[i]) for i in pending]
+    with torch.no_grad():
+        if factor is None:
+            op_call(shares)
+        elif isinstance(factor, list | tuple):
+            op_call(shares, [factor[i] for i in pending])
+        else:
+            op_call(shares, factor)
 
 
 def _shares_of(op_call: Any, target: Any, value: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:

@@ -1,0 +1,202 @@
+"""A max-type reduction over a sharded dim where some rank's shard is empty deadlocks, on every
+release 2.9 to 2.15.
+
+Trigger (measured on 2.13.0, 2 ranks; the strategy validator's ``amax``/``amin`` OpInfos
+"crashed" on 2.9.1 to 2.13.0 for this): ``x`` of shape ``[1, 5]`` placed ``Shard(0)`` (rank 1
+holds ``[0, 5]``: a dim smaller than the mesh, or ``5`` rows on 4 ranks, chunked ``2, 2, 1, 0``),
+then ``x.amax(0)``, ``x.amin()``, ``x.max()``, ``torch.linalg.vector_norm(x, inf, dim=0)``.
+torch's strategy keeps the input sharded and reduces the per-rank results (``Partial(max)``);
+the rank with the empty shard raises in its local kernel ("Expected reduction dim 0 to have
+non-zero size": a maximum has no identity element in ATen), and every other rank waits in the
+reduction's collective forever: a hang, no error on those ranks. Sums, means and
+``logsumexp`` are unaffected (an empty sum is ``0``).
+
+Fix (a miss rule, consulted only on a cache miss, acting only when the schema shows an
+input ``Shard(d)`` of a reduced dim ``d`` that leaves some rank's shard empty): the input is
+first made ``Replicate()`` on those mesh dims (an all-gather of a dim shorter than the mesh
+or of its last chunk: the input is small along it), then torch's strategy runs on it. Every
+other call keeps torch's cached decision and pays nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from dtensor_patches._torch.modes import foreach_max
+from dtensor_patches._torch.versions import torch_release
+from dtensor_patches.calls import uneven_shards
+from dtensor_patches.dispatch.miss_rules import ANY_OP, DivertedCall, NativeDecision
+from dtensor_patches.patch import MissRule, Patch
+from dtensor_patches.reproducers import compare, failure_of, randn
+from dtensor_patches.strategies import normalize_dims
+
+# op -> (position of its dims argument, its keyword) ; None: a reduction over every dim.
+_DIMS: dict[str, tuple[int, str] | None] = {
+    "aten.amax.default": (1, "dim"),
+    "aten.amin.default": (1, "dim"),
+    "aten.max.default": None,
+    "aten.min.default": None,
+    "aten.aminmax.default": (1, "dim"),
+    "aten.linalg_vector_norm.default": (2, "dim"),
+    # Each tensor of a list, over every dim (what clipping by the inf norm runs).
+    "aten._foreach_max.default": None,
+}
+# The norms whose value over an empty dim is undefined in ATen (a max or min of |x|).
+_EXTREME_ORDERS = (math.inf, -math.inf)
+
+
+def _reduced_dims(schema: Any, ndim: int) -> tuple[int, ...] | None:
+    """The dims ``schema``'s reduction runs over, or ``None`` when it is not a max-type one."""
+    name = str(schema.op)
+    if name not in _DIMS:
+        return None
+    if name == "aten.linalg_vector_norm.default":
+        order = schema.args_schema[1] if len(schema.args_schema) > 1 else 2
+        if order not in _EXTREME_ORDERS:
+            return None
+    where = _DIMS[name]
+    if where is None:
+        return tuple(range(ndim))
+    index, keyword = where
+    dims = schema.args_schema[index] if len(schema.args_schema) > index else None
+    dims = schema.kwargs_schema.get(keyword, dims)
+    return normalize_dims(dims, ndim)
+
+
+def leaves_a_rank_empty(size: int, ranks: int) -> bool:
+    """Whether sharding a dim of ``size`` over ``ranks`` leaves a rank empty: torch chunks ``size`` into ``ceil(size / ranks)`` pieces; the last rank gets nothing
+    when the first ``ranks - 1`` chunks already cover the dim."""
+    chunk = math.ceil(size / ranks) if size else 0
+    return chunk * (ranks - 1) >= size
+
+
+def _empty_mesh_dims(spec: Any, dims: tuple[int, ...]) -> list[int]:
+    shape = tuple(spec.shape)
+    out = []
+    for mesh_dim, placement in enumerate(spec.placements):
+        if placement.is_shard():
+            dim = placement.dim % len(shape)
+            if dim in dims and leaves_a_rank_empty(shape[dim], spec.mesh.size(mesh_dim)):
+                out.append(mesh_dim)
+    return out
+
+
+# 2.9 has no strategy for _foreach_max (the fallback answers it, right); from 2.10 torch's
+# strategy reduces each tensor's shards and hangs on an empty one.
+_FOREACH_MAX_STRATEGY = Version("2.10")
+
+
+def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
+    name = str(schema.op)
+    if name not in _DIMS or not schema.args_schema:
+        return None
+    if name == "aten._foreach_max.default" and torch_release() < _FOREACH_MAX_STRATEGY:
+        return None
+    first = schema.args_schema[0]
+    for spec in first if isinstance(first, list | tuple) else (first,):
+        placements = getattr(spec, "placements", None)
+        if not placements or not any(p.is_shard() for p in placements):
+            continue
+        dims = _reduced_dims(schema, len(spec.shape))
+        if dims and _empty_mesh_dims(spec, dims):
+            return _run_gathered
+    return None
+
+
+def _run_gathered(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if isinstance(args[0], list | tuple):
+        gathered = [_gathered(op_call, x, (), {}) for x in args[0]]
+        return op_call(gathered, *args[1:], **kwargs)
+    return op_call(_gathered(op_call, args[0], args, kwargs), *args[1:], **kwargs)
+
+
+def _gathered(op_call: Any, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x`` made ``Replicate()`` on the mesh dims that shard a reduced dim of it with an
+    empty shard (``x`` itself when there is none)."""
+    from torch.distributed.tensor import Replicate
+
+    ndim = x.dim()
+    name = str(op_call)
+    where = _DIMS[name]
+    if where is None:
+        dims: tuple[int, ...] = tuple(range(ndim))
+    else:
+        index, keyword = where
+        value = args[index] if len(args) > index else None
+        dims = normalize_dims(kwargs.get(keyword, value), ndim)
+    wanted = list(x.placements)
+    for mesh_dim, placement in enumerate(wanted):
+        if placement.is_shard() and placement.dim % ndim in dims:
+            if leaves_a_rank_empty(x.shape[placement.dim % ndim], x.device_mesh.size(mesh_dim)):
+                wanted[mesh_dim] = Replicate()
+    if wanted == list(x.placements):
+        return x
+    # Below autograd (inside DTensor's dispatch): the gather carries no history, and the
+    # input itself is not changed (a new DTensor is gathered).
+    with torch.no_grad():
+        return x.redistribute(x.device_mesh, wanted)
+
+
+def _registrations() -> list[MissRule]:
+    return [MissRule(ANY_OP, _rule)]
+
+
+# name -> the reduction; run on a [1, 5] x placed Shard(0) (rank 1's shard is empty on 2
+# ranks) and on a [6, 5] one (no empty shard: torch's own path).
+_TRIGGERS: dict[str, Any] = {
+    "x.amax(0)": lambda x: x.amax(0),
+    "x.amin()": lambda x: x.amin(),
+    "x.max()": lambda x: x.max(),
+    "vector_norm(x, inf, dim=0)": lambda x: torch.linalg.vector_norm(x, math.inf, dim=0),
+    "_foreach_max([x, x])": lambda x: torch.stack(foreach_max()([x, x * 2])),
+}
+
+
+def reproduce(mesh: Any) -> str | None:
+    """Each trigger on a ``[1, 5]`` and a ``[6, 5]`` ``Shard(0)`` x: the single-device value.
+    The op runs without communicating (its output is pending), so every rank first reports
+    whether its local kernel raised (an object all-gather every rank reaches): the stock bug
+    is detected without the hang it causes in user code."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    group = mesh.get_group()
+    for rows in (1, 6):
+        full = randn(rows, 5, seed=rows)
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        for label, fn in _TRIGGERS.items():
+            if label.startswith("_foreach_max") and torch_release() < _FOREACH_MAX_STRATEGY:
+                continue  # no strategy on 2.9: the fallback's, not this patch's
+            got, error = failure_of(lambda fn=fn, x=x: fn(x))
+            errors: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(errors, error, group=group)
+            raised = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+            if raised:
+                rank, message = raised[0]
+                return f"{label} of a [{rows}, 5] Shard(0): raised on rank {rank} only: {message}"
+            problem = compare(got.full_tensor(), fn(full), what=f"{label} of [{rows}, 5]")
+            if problem is not None:
+                return problem
+    return None
+
+
+PATCH = Patch(
+    name="empty_shard_extrema",
+    summary="a max/min-type reduction over a sharded dim that leaves a rank's shard empty "
+    "gathers that dim first instead of raising on that rank and hanging the others",
+    ops=tuple(_DIMS),
+    gate=SpecifierSet(">=2.9"),
+    overrides_existing=True,
+    registrations=_registrations,
+    reproduce=reproduce,
+    # An empty shard is an uneven one (a dim shorter than the mesh, or than its chunks).
+    concerns=uneven_shards,
+    communication="an all-gather of the reduced dim where it is shorter than the mesh (or its "
+    "last chunk is empty); the rest untouched",
+    replicates=True,
+)
