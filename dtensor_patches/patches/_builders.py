@@ -135,3 +135,19 @@ def reduce_partial_first(op: str) -> MissRule:
     """A :class:`~dtensor_patches.dispatch.miss_rules.MissRule` for ``op``: calls with a ``Partial`` input
     run on the reduced (``Replicate()`` on those mesh dims) inputs instead."""
     return MissRule(op, _rule)
+
+
+def holds_placement(values: Any, kind: type) -> bool:
+    """Whether a spec in ``values`` (an op schema's arguments, lists walked) has a placement of
+    class ``kind`` (``_MaskPartial``, ``_NormPartial``). Miss rules for every op run it on
+    every miss of every op (AdamW's ``addcdiv_`` misses each step on 2.10/2.11 without
+    ``float_keywords_unkeyed``), so it walks the schema in place, with no list built."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            if holds_placement(value, kind):
+                return True
+            continue
+        for placement in getattr(value, "placements", None) or ():
+            if isinstance(placement, kind):
+                return True
+    return False

@@ -31,6 +31,7 @@ from dtensor_patches._torch.dtensors import is_dtensor, norm_partial_class
 from dtensor_patches._torch.schemas import writes_self
 from dtensor_patches.dispatch.miss_rules import ANY_OP, DivertedCall, NativeDecision
 from dtensor_patches.patch import MissRule, Patch
+from dtensor_patches.patches._builders import holds_placement
 from dtensor_patches.reproducers import Case, randn
 
 # Ops that move, copy or cast elements without combining them (a p-norm applied element by
@@ -69,19 +70,6 @@ def _packet(op: Any) -> str:
     return name.split(".")[1] if name.count(".") >= 2 else name
 
 
-def _holds(values: Any, norm_partial: type) -> bool:
-    # Runs on every miss of every op, so it walks the schema in place, with no list built.
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            if _holds(value, norm_partial):
-                return True
-            continue
-        for placement in getattr(value, "placements", None) or ():
-            if isinstance(placement, norm_partial):
-                return True
-    return False
-
-
 def _reduce(value: Any, norm_partial: type) -> Any:
     from torch.distributed.tensor import Replicate
 
@@ -106,8 +94,8 @@ def _run_reduced(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     norm_partial = norm_partial_class()
     if not (
-        _holds(schema.args_schema, norm_partial)
-        or _holds(schema.kwargs_schema.values(), norm_partial)
+        holds_placement(schema.args_schema, norm_partial)
+        or holds_placement(schema.kwargs_schema.values(), norm_partial)
     ):
         return None
     if _packet(schema.op) in _COMMUTING_PACKETS or writes_self(schema.op):

@@ -39,6 +39,7 @@ from dtensor_patches._torch.dtensors import (
 )
 from dtensor_patches.dispatch.miss_rules import ANY_OP, DivertedCall, NativeDecision
 from dtensor_patches.patch import MissRule, Patch
+from dtensor_patches.patches._builders import holds_placement
 from dtensor_patches.reproducers import compare, failure_of, randn
 
 
@@ -73,23 +74,9 @@ def _run_reduced(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return op_call(*args, **kwargs)
 
 
-def _holds_masked(values: Any, mask_partial: type) -> bool:
-    # Runs on every miss of every op (AdamW's addcdiv_ misses each step: its scalar changes),
-    # so it walks the schema in place, with no list built and no call per placement.
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            if _holds_masked(value, mask_partial):
-                return True
-            continue
-        for placement in getattr(value, "placements", None) or ():
-            if isinstance(placement, mask_partial):
-                return True
-    return False
-
-
 def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     mask_partial = mask_partial_class()
-    if _holds_masked(schema.args_schema, mask_partial) or _holds_masked(
+    if holds_placement(schema.args_schema, mask_partial) or holds_placement(
         schema.kwargs_schema.values(), mask_partial
     ):
         return _run_reduced
