@@ -18,11 +18,20 @@ __all__ = [
     "contiguous_stride",
     "gather_full",
     "in_layout_of",
+    "leaves_a_rank_empty",
     "partial_shares",
     "shard_of",
     "sharded_result",
     "stride_like",
 ]
+
+
+def leaves_a_rank_empty(size: int, ranks: int) -> bool:
+    """Whether ``Shard`` of a dim of ``size`` over ``ranks`` leaves some rank no elements:
+    torch cuts ``ceil(size / ranks)``-sized chunks, so the last rank gets nothing once the
+    first ``ranks - 1`` chunks cover the dim (1 row on 2 ranks; 5 rows on 4 ranks: 2, 2, 1, 0)."""
+    chunk = -(-size // ranks)
+    return chunk * (ranks - 1) >= size
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ from packaging.specifiers import SpecifierSet
 from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches._torch.tables import custom_op_handlers
-from dtensor_patches.dispatch.shards import sharded_result
+from dtensor_patches.dispatch.shards import leaves_a_rank_empty, sharded_result
 from dtensor_patches.patch import Handler, Patch
 from dtensor_patches.reproducers import Case, randn
 from dtensor_patches.strategies import is_shard
@@ -144,8 +144,6 @@ def _along_dim(op_call: Any, x: Any, dim: int, keepdim: bool) -> Any:
 def _empty_shard_along(x: Any, dim: int) -> bool:
     """Whether ``dim`` of ``x`` is sharded so that some rank's shard is empty (torch's handler
     then raises on that rank only, in its local kernel, and the others hang in its gather)."""
-    from dtensor_patches.patches.reductions.empty_shard_extrema import leaves_a_rank_empty
-
     dim %= max(x.ndim, 1)
     return any(
         is_shard(p)

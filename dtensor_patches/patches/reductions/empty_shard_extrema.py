@@ -31,6 +31,7 @@ from dtensor_patches._torch.modes import foreach_max
 from dtensor_patches._torch.versions import torch_release
 from dtensor_patches.calls import uneven_shards
 from dtensor_patches.dispatch.miss_rules import ANY_OP, DivertedCall, NativeDecision
+from dtensor_patches.dispatch.shards import leaves_a_rank_empty
 from dtensor_patches.patch import MissRule, Patch
 from dtensor_patches.reproducers import compare, failure_of, randn
 from dtensor_patches.strategies import normalize_dims
@@ -50,38 +51,28 @@ _DIMS: dict[str, tuple[int, str] | None] = {
 _EXTREME_ORDERS = (math.inf, -math.inf)
 
 
-def _reduced_dims(schema: Any, ndim: int) -> tuple[int, ...] | None:
-    """The dims ``schema``'s reduction runs over, or ``None`` when it is not a max-type one."""
-    name = str(schema.op)
-    if name not in _DIMS:
-        return None
+def _dims_of(name: str, args: Any, kwargs: Any, ndim: int) -> tuple[int, ...] | None:
+    """The dims the call ``name(*args, **kwargs)`` reduces (a call's arguments or its schema's:
+    same positions), or ``None`` when it is not a max-type reduction (a finite vector norm)."""
     if name == "aten.linalg_vector_norm.default":
-        order = schema.args_schema[1] if len(schema.args_schema) > 1 else 2
+        order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
         if order not in _EXTREME_ORDERS:
             return None
     where = _DIMS[name]
     if where is None:
         return tuple(range(ndim))
     index, keyword = where
-    dims = schema.args_schema[index] if len(schema.args_schema) > index else None
-    dims = schema.kwargs_schema.get(keyword, dims)
-    return normalize_dims(dims, ndim)
+    dims = args[index] if len(args) > index else None
+    return normalize_dims(kwargs.get(keyword, dims), ndim)
 
 
-def leaves_a_rank_empty(size: int, ranks: int) -> bool:
-    """Whether sharding a dim of ``size`` over ``ranks`` leaves a rank empty: torch chunks ``size`` into ``ceil(size / ranks)`` pieces; the last rank gets nothing
-    when the first ``ranks - 1`` chunks already cover the dim."""
-    chunk = math.ceil(size / ranks) if size else 0
-    return chunk * (ranks - 1) >= size
-
-
-def _empty_mesh_dims(spec: Any, dims: tuple[int, ...]) -> list[int]:
-    shape = tuple(spec.shape)
+def _empty_mesh_dims(shape: Any, placements: Any, mesh: Any, dims: tuple[int, ...]) -> list[int]:
+    """The mesh dims whose ``Shard`` of one of ``dims`` leaves some rank's shard empty."""
     out = []
-    for mesh_dim, placement in enumerate(spec.placements):
+    for mesh_dim, placement in enumerate(placements):
         if placement.is_shard():
             dim = placement.dim % len(shape)
-            if dim in dims and leaves_a_rank_empty(shape[dim], spec.mesh.size(mesh_dim)):
+            if dim in dims and leaves_a_rank_empty(shape[dim], mesh.size(mesh_dim)):
                 out.append(mesh_dim)
     return out
 
@@ -102,40 +93,31 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
         placements = getattr(spec, "placements", None)
         if not placements or not any(p.is_shard() for p in placements):
             continue
-        dims = _reduced_dims(schema, len(spec.shape))
-        if dims and _empty_mesh_dims(spec, dims):
+        shape = tuple(spec.shape)
+        dims = _dims_of(name, schema.args_schema, schema.kwargs_schema, len(shape))
+        if dims and _empty_mesh_dims(shape, placements, spec.mesh, dims):
             return _run_gathered
     return None
 
 
 def _run_gathered(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    name = str(op_call)
     if isinstance(args[0], list | tuple):
-        gathered = [_gathered(op_call, x, (), {}) for x in args[0]]
+        gathered = [_gathered(x, _dims_of(name, (x,), {}, x.dim())) for x in args[0]]
         return op_call(gathered, *args[1:], **kwargs)
-    return op_call(_gathered(op_call, args[0], args, kwargs), *args[1:], **kwargs)
+    x = args[0]
+    return op_call(_gathered(x, _dims_of(name, args, kwargs, x.dim())), *args[1:], **kwargs)
 
 
-def _gathered(op_call: Any, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``x`` made ``Replicate()`` on the mesh dims that shard a reduced dim of it with an
-    empty shard (``x`` itself when there is none)."""
+def _gathered(x: Any, dims: tuple[int, ...] | None) -> Any:
+    """``x`` made ``Replicate()`` on the mesh dims that shard one of ``dims`` with an empty
+    shard (``x`` itself when there is none)."""
     from torch.distributed.tensor import Replicate
 
-    ndim = x.dim()
-    name = str(op_call)
-    where = _DIMS[name]
-    if where is None:
-        dims: tuple[int, ...] = tuple(range(ndim))
-    else:
-        index, keyword = where
-        value = args[index] if len(args) > index else None
-        dims = normalize_dims(kwargs.get(keyword, value), ndim)
-    wanted = list(x.placements)
-    for mesh_dim, placement in enumerate(wanted):
-        if placement.is_shard() and placement.dim % ndim in dims:
-            if leaves_a_rank_empty(x.shape[placement.dim % ndim], x.device_mesh.size(mesh_dim)):
-                wanted[mesh_dim] = Replicate()
-    if wanted == list(x.placements):
+    empty = _empty_mesh_dims(tuple(x.shape), x.placements, x.device_mesh, dims or ())
+    if not empty:
         return x
+    wanted = [Replicate() if i in empty else p for i, p in enumerate(x.placements)]
     # Below autograd (inside DTensor's dispatch): the gather carries no history, and the
     # input itself is not changed (a new DTensor is gathered).
     with torch.no_grad():
