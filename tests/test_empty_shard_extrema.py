@@ -15,18 +15,67 @@ import torch
 
 from dtensor_patches.testing import RankPool
 
-# name -> (full shape, the computation); x is placed Shard(0).
-_USER_CODE: dict[str, tuple[tuple[int, ...], Callable[[Any], Any]]] = {
-    "amax_over_batch": ((1, 5), lambda x: x.amax(0)),
-    "amin_everything": ((1, 5), lambda x: x.amin()),
-    "max_everything": ((1, 5), lambda x: x.max()),
-    "min_everything": ((1, 3, 4), lambda x: x.min()),
-    "amax_over_two_dims": ((1, 3, 4), lambda x: x.amax(dim=(0, 2))),
-    "inf_norm_over_batch": ((1, 5), lambda x: torch.linalg.vector_norm(x, math.inf, dim=0)),
-    "argmax_over_batch": ((1, 5), lambda x: x.argmax(0)),
-    "argmin_over_batch_keepdim": ((1, 3, 4), lambda x: x.argmin(0, keepdim=True)),
-    "foreach_max_of_gradients": ((1, 5), lambda x: torch.stack(torch._foreach_max([x, x * 2]))),
-    "amax_no_empty_shard": ((3, 5), lambda x: x.amax(0)),
+
+def _out(x: Any, *shape: int, dtype: torch.dtype | None = None) -> Any:
+    """An ``out=`` tensor for a result of ``shape``: ``Replicate()`` beside a DTensor ``x``."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    out = torch.full(shape, -7.0, dtype=dtype or x.dtype)
+    if isinstance(x, DTensor):
+        return distribute_tensor(out, x.device_mesh, [Replicate()])
+    return out
+
+
+def _both(pair: Any) -> Any:
+    """Values and indices (or minima and maxima) in one tensor, to compare them together."""
+    first, second = pair
+    return torch.cat([first.reshape(-1), second.reshape(-1).to(first.dtype)])
+
+
+# name -> (full shape, the dim placed Shard, the computation).
+_USER_CODE: dict[str, tuple[tuple[int, ...], int, Callable[[Any], Any]]] = {
+    "amax_over_batch": ((1, 5), 0, lambda x: x.amax(0)),
+    "amin_everything": ((1, 5), 0, lambda x: x.amin()),
+    "max_everything": ((1, 5), 0, lambda x: x.max()),
+    "min_everything": ((1, 3, 4), 0, lambda x: x.min()),
+    "amax_over_two_dims": ((1, 3, 4), 0, lambda x: x.amax(dim=(0, 2))),
+    "inf_norm_over_batch": ((1, 5), 0, lambda x: torch.linalg.vector_norm(x, math.inf, dim=0)),
+    "argmax_over_batch": ((1, 5), 0, lambda x: x.argmax(0)),
+    "argmin_over_batch_keepdim": ((1, 3, 4), 0, lambda x: x.argmin(0, keepdim=True)),
+    "foreach_max_of_gradients": (
+        (1, 5),
+        0,
+        lambda x: torch.stack(torch._foreach_max([x, x * 2])),
+    ),
+    "amax_no_empty_shard": ((3, 5), 0, lambda x: x.amax(0)),
+    # Values and indices along the dim (torch's own handler on 2.11 raised on the empty rank).
+    "max_values_and_indices": ((1, 5), 0, lambda x: _both(torch.max(x, 0))),
+    "min_values_and_indices_keepdim": ((1, 3, 4), 0, lambda x: _both(x.min(0, keepdim=True))),
+    "aminmax_over_batch": ((1, 5), 0, lambda x: _both(torch.aminmax(x, dim=0))),
+    # The out= overloads: the result is read back from the out tensor.
+    "amax_into_out": ((1, 5), 0, lambda x: (torch.amax(x, 0, out=(o := _out(x, 5))), o)[1]),
+    "amin_keepdim_into_out_size_one_dim": (
+        (3, 2, 1, 2),
+        2,
+        lambda x: (torch.amin(x, 2, keepdim=True, out=(o := _out(x, 3, 2, 1, 2))), o)[1],
+    ),
+    "max_everything_into_out": ((1, 5), 0, lambda x: (torch.max(x, out=(o := _out(x))), o)[1]),
+    "min_everything_into_out": ((1, 3, 4), 0, lambda x: (torch.min(x, out=(o := _out(x))), o)[1]),
+    "aminmax_into_out": (
+        (1, 5),
+        0,
+        lambda x: _both(torch.aminmax(x, dim=0, out=(_out(x, 5), _out(x, 5)))),
+    ),
+    "inf_norm_into_out": (
+        (1, 5),
+        0,
+        lambda x: (torch.linalg.vector_norm(x, math.inf, dim=0, out=(o := _out(x, 5))), o)[1],
+    ),
+    "max_values_and_indices_into_out": (
+        (1, 5),
+        0,
+        lambda x: _both(torch.max(x, 0, out=(_out(x, 5), _out(x, 5, dtype=torch.long)))),
+    ),
 }
 
 
@@ -41,9 +90,9 @@ def _against_one_device(name: str) -> tuple[str | None, bool]:
     dtensor_patches.revert_all()
     dtensor_patches.apply_all()
     try:
-        shape, fn = _USER_CODE[name]
+        shape, dim, fn = _USER_CODE[name]
         full = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-        x = distribute_tensor(full.clone(), world_mesh(), [Shard(0)])
+        x = distribute_tensor(full.clone(), world_mesh(), [Shard(dim)])
         error = None
         try:
             got = fn(x)

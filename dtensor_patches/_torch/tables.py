@@ -535,3 +535,56 @@ def set_static_kwargkey(table: str, op: OpOverload, keys: tuple[str, ...]) -> No
         )
 
     _replace_schema_info(table, op, ("static_kwargkey", keys), make)
+
+
+_DECOMPOSITIONS = "torch.distributed.tensor._decompositions"
+
+
+def decomposed_out_ops() -> list[tuple[OpOverload, tuple[str, ...]]]:
+    """``(op, its out argument names)`` for every ``out=`` overload with a decomposition in
+    ``torch._decomp.decomposition_table`` and no sharding strategy in this release's tables:
+    the ops DTensor propagates through their decomposition (2.11+, ``DecompShardingStrategy``),
+    keyed by the ``RuntimeSchemaInfo`` torch infers for them on their first call.
+
+    Raises:
+        PatchError: ``torch._decomp.decomposition_table`` moved.
+    """
+    from dtensor_patches._torch.schemas import out_argument_names
+
+    table = internal("torch._decomp", "decomposition_table")
+    directory = tables()
+    present = [directory[name] for name in STRATEGY_TABLES if name in set(table_names())]
+    found = []
+    for op in list(table):
+        outs = out_argument_names(op)
+        if outs and not any(op in strategies for strategies in present):  # type: ignore[operator]
+            found.append((op, outs))
+    return found
+
+
+def decomposition_schema_info(op: OpOverload) -> Any:
+    """The ``RuntimeSchemaInfo`` torch gives a decomposition op on its first call
+    (``_infer_schema_info_from_op``: the non-tensor positional arguments from the first one on,
+    and the non-tensor keyword-only ones; never an out tensor).
+
+    Raises:
+        PatchError: the function moved (before 2.11 there is none).
+    """
+    return internal(_DECOMPOSITIONS, "_infer_schema_info_from_op")(op)
+
+
+def key_decomposition_outs(table: str, op: OpOverload, keys: tuple[str, ...]) -> None:
+    """Key ``op``'s cached decisions by its out tensors ``keys`` too: its entry of ``table`` (or,
+    where torch has not inferred one yet, the one it would infer) with them added to
+    ``static_kwargkey``.
+
+    Raises:
+        PatchError: ``_infer_schema_info_from_op`` or ``RuntimeSchemaInfo`` moved.
+    """
+    infos = schema_infos().get(table)
+    if infos is None:
+        raise moved(table, "no schema info table to re-key")
+    if infos.get(op) is None:
+        # torch's own inference first, so the entry keys exactly what torch's would, plus outs.
+        _replace_schema_info(table, op, ("inferred",), lambda _none: decomposition_schema_info(op))
+    set_static_kwargkey(table, op, keys)

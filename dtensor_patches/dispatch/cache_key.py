@@ -22,7 +22,7 @@ from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches.ledger import EntryKey
 
-__all__ = ["CacheKey"]
+__all__ = ["CacheKey", "DecompositionOutKeys"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,36 @@ class CacheKey:
             torch_tables.set_static_argnum(self.table, op, self.static_argnum)
         if self.keywords:
             torch_tables.set_static_kwargkey(self.table, op, self.keywords)
+
+
+@dataclass(frozen=True)
+class DecompositionOutKeys:
+    """Key the cached decisions of every ``out=`` overload that DTensor propagates through its
+    decomposition (no sharding strategy; 2.11+) by its out tensors too. torch infers those ops'
+    ``RuntimeSchemaInfo`` on their first call and never names an out tensor in it, so a call
+    into an out of another placement reuses the first call's decision (measured with
+    ``mv.out`` on 2.12-2.15). Each entry is written now, as torch would infer it plus the out
+    tensors (:func:`~dtensor_patches._torch.tables.key_decomposition_outs`), and taken out again
+    on revert (torch infers its own on the next call). The ops are the release's, found at
+    install (:func:`~dtensor_patches._torch.tables.decomposed_out_ops`): no op list to keep.
+    Costs one more cache entry per distinct out placement, nothing per cached call.
+
+    Raises (at install):
+        PatchError: ``torch._decomp.decomposition_table``, ``_infer_schema_info_from_op`` or
+            ``RuntimeSchemaInfo`` moved.
+    """
+
+    table: str = torch_tables.SCHEMA_INFO_TABLES[0]
+    kind: ClassVar[str] = "cache key"
+
+    @property
+    def concerns(self) -> tuple[str, ...]:
+        # Found per release, not declared: no op of a patch's list is claimed.
+        return ()
+
+    def entries(self) -> Sequence[EntryKey]:
+        return [(self.table, op) for op, _ in torch_tables.decomposed_out_ops()]
+
+    def install(self) -> None:
+        for op, outs in torch_tables.decomposed_out_ops():
+            torch_tables.key_decomposition_outs(self.table, op, outs)

@@ -17,13 +17,24 @@ Not fixed here: a strategy that ignores the out's placement altogether (``amax.o
 release: its decision follows the input) relabels the out on a fresh call too, with the same
 effect on a view's base (docs/known-gaps.md).
 
+The same holds for the ``out=`` overloads torch propagates through their decomposition (no
+strategy of their own, 2.11+): torch infers their ``RuntimeSchemaInfo`` on the first call and
+leaves every tensor keyword out of it. ``torch.mv(a, v, out=base.view(6))`` with ``base`` a
+``Shard(1)`` ``[2, 3]``, after a call into a replicated ``out``: ``base`` keeps zeros
+(measured on 2.12.0 to 2.15.0, stock and with every other patch; 2.11.0 keys every keyword
+argument and is right). It was the strategy validator's one cell still wrong after
+``apply_all()`` on 2.13.0 (``mv.out`` into a ``_StridedShard`` view).
+
 Fix (for the kind): every out tensor of every ``out=`` overload that has a sharding strategy
 on the release is put into its cache key (:class:`~dtensor_patches.dispatch.cache_key.CacheKey`
 with ``keywords``; where torch registered no ``RuntimeSchemaInfo``, a default one naming only
 them). The ops are found in the release's own tables when the patch applies
 (:func:`out_tensors_unkeyed`); ``tests/test_cache_keys.py`` fails if a release adds one that
-:data:`OPS` does not list. Cost: one more cache entry per distinct out placement; nothing per
-cached call, no communication. The decision itself stays torch's.
+:data:`OPS` does not list. The decomposition ops are keyed
+the same way, all of the release's at once, each entry written as torch would infer it plus
+its out tensors (:class:`~dtensor_patches.dispatch.cache_key.DecompositionOutKeys`). Cost: one
+more cache entry per distinct out placement; nothing per cached call, no communication. The
+decision itself stays torch's.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from packaging.specifiers import SpecifierSet
 
 from dtensor_patches._torch import tables as torch_tables
 from dtensor_patches._torch.schemas import out_argument_names
+from dtensor_patches.dispatch.cache_key import DecompositionOutKeys
 from dtensor_patches.patch import CacheKey, Patch
 
 
@@ -60,15 +72,16 @@ def out_tensors_unkeyed() -> list[tuple[str, str, tuple[str, ...]]]:
     return found
 
 
-def _registrations() -> list[CacheKey]:
-    return [
+def _registrations() -> list[CacheKey | DecompositionOutKeys]:
+    keys: list[CacheKey | DecompositionOutKeys] = [
         CacheKey(op, None, table, keywords=outs)
         for table, op, outs in out_tensors_unkeyed()
         if op in OPS
     ]
+    return [*keys, DecompositionOutKeys()]
 
 
-def reproduce(mesh: Any) -> str | None:
+def _product_into_views(mesh: Any) -> str | None:
     """``torch.mm(a, b, out=...)`` of two ``Shard(1)`` ``[4, 2 p]`` / ``[2 p, 2 p]`` tensors,
     first into a view of a ``Shard(1)`` out, then into a view of a ``Replicate()`` one: each
     base's placement and full value against the plain ``mm``. ``None`` where torch has no
@@ -99,6 +112,46 @@ def reproduce(mesh: Any) -> str | None:
                 "call: its base does not hold the product"
             )
     return None
+
+
+def _decomposed_into_a_view(mesh: Any) -> str | None:
+    """``torch.mv(a, v, out=...)`` (propagated through its decomposition from 2.11), first into
+    a replicated ``[2 p + 2]`` out, then into ``base.view(-1)`` with ``base`` a ``Shard(1)``
+    ``[2, p + 1]``: ``base``'s full value against the plain ``mv``."""
+    import warnings
+
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    rows = 2 * (mesh.size() + 1)
+    matrix = torch.arange(rows * 5, dtype=torch.float32).reshape(rows, 5) / 9
+    vector = torch.arange(5, dtype=torch.float32).flip(0) / 3
+    expected = matrix @ vector
+    a = distribute_tensor(matrix, mesh, [Shard(1)])
+    v = distribute_tensor(vector, mesh, [Replicate()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "an output was resized" on the bug
+        try:
+            torch.mv(a, v, out=distribute_tensor(torch.zeros(rows), mesh, [Replicate()]))
+        except NotImplementedError:
+            return None  # no way to propagate mv (before 2.11): no decision to reuse
+        base = distribute_tensor(torch.zeros(2, rows // 2), mesh, [Shard(1)])
+        try:
+            flat = base.view(-1)
+        except RuntimeError:
+            return None  # 2.11 refuses to flatten a sharded dim: no such view to write into
+        torch.mv(a, v, out=flat)
+    if not torch.allclose(base.full_tensor().reshape(-1), expected):
+        return (
+            "mv(out=) into a view of a Shard(1) DTensor after a call into a replicated out: "
+            "its base does not hold the product"
+        )
+    return None
+
+
+def reproduce(mesh: Any) -> str | None:
+    """An op with a strategy (``mm.out``) and one propagated through its decomposition
+    (``mv.out``), each written into an out of another placement than its first call's."""
+    return _product_into_views(mesh) or _decomposed_into_a_view(mesh)
 
 
 # Every op the rule finds on some release 2.9.1 to 2.15.0 (measured: 9 on 2.9.1, 11 on 2.11.0,
@@ -301,7 +354,7 @@ PATCH = Patch(
     name="out_tensors_keyed",
     summary="an out= tensor's placement keys the cached sharding decision of its op",
     ops=OPS,
-    gate=SpecifierSet(">=2.13"),
+    gate=SpecifierSet(">=2.12"),
     registrations=_registrations,
     reproduce=reproduce,
     overrides_existing=True,
