@@ -32,6 +32,7 @@ __all__ = [
     "RankError",
     "RankPool",
     "layout_agrees",
+    "raised_on_any_rank",
     "run_on_ranks",
     "spec_disagreement",
     "world_mesh",
@@ -349,3 +350,23 @@ def world_mesh() -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def raised_on_any_rank(fn: Callable[[], T]) -> tuple[T | None, str | None]:
+    """``fn()`` on every rank, then ``(its result, None)``, or ``(None, the first failing
+    rank's error)`` on every rank when any rank raised. The errors are exchanged (an object
+    all-gather every rank reaches) before anyone reads a result, so code where one rank raises
+    while the others would go on into a collective fails on every rank instead of hanging.
+    Call it collectively, on every rank of the default process group."""
+    import torch.distributed as dist
+
+    result: T | None = None
+    error: str | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = f"{type(exc).__name__}: {exc}"
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    raised = next((e for e in errors if e is not None), None)
+    return (None, raised) if raised is not None else (result, None)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from dtensor_patches.testing import RankPool
+from dtensor_patches.testing import RankPool, raised_on_any_rank
 
 
 def _out(x: Any, *shape: int, dtype: torch.dtype | None = None) -> Any:
@@ -81,7 +81,6 @@ _USER_CODE: dict[str, tuple[tuple[int, ...], int, Callable[[Any], Any]]] = {
 
 def _against_one_device(name: str) -> tuple[str | None, bool]:
     """(the first rank's error, if any rank raised; value equal to the plain op's)."""
-    import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import dtensor_patches
@@ -93,14 +92,7 @@ def _against_one_device(name: str) -> tuple[str | None, bool]:
         shape, dim, fn = _USER_CODE[name]
         full = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
         x = distribute_tensor(full.clone(), world_mesh(), [Shard(dim)])
-        error = None
-        try:
-            got = fn(x)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = f"{type(exc).__name__}: {exc}"
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        raised = next((e for e in errors if e is not None), None)
+        got, raised = raised_on_any_rank(lambda: fn(x))
         if raised is not None:
             return raised, False
         return None, torch.equal(got.full_tensor(), fn(full))

@@ -120,7 +120,9 @@ def _reduce(value: Any) -> Any:
     return value
 
 
-def _run_reduced(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_partials_reduced(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``op_call`` on its inputs with every ``Partial`` placement reduced first (a new
+    DTensor each, no history: inside DTensor's dispatch)."""
     with torch.no_grad():
         args, kwargs = tree_map(_reduce, (args, kwargs))
     return op_call(*args, **kwargs)
@@ -128,7 +130,7 @@ def _run_reduced(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     leaves = tree_leaves((schema.args_schema, schema.kwargs_schema))
-    return _run_reduced if any(_has_partial(x) for x in leaves) else None
+    return run_partials_reduced if any(_has_partial(x) for x in leaves) else None
 
 
 def reduce_partial_first(op: str) -> MissRule:

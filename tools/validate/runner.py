@@ -137,7 +137,10 @@ def _one(
         first = placements_for(pattern, [expected])[0]
         if first.startswith("P."):
             first = "R"
-        kwargs["out"] = make_dtensor(torch.zeros_like(expected), first, mesh, False)
+        try:
+            kwargs["out"] = make_dtensor(torch.zeros_like(expected), first, mesh, False)
+        except Exception as exc:  # noqa: BLE001 - an out gloo cannot hold (uint64) tests no op
+            return {"outcome": "skipped", "error": f"distribute_tensor: {_first_line(exc)}"}
     cells: dict[str, dict[str, Any]] = {}
     outcome = "ok"
     error = ""

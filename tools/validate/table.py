@@ -150,10 +150,14 @@ def release_entry(
         "families_after_apply_all": dict(Counter(c["family"] for c in final_cells.values())),
         "unattributed_stock": _unattributed(stock),
         "unattributed_after_apply_all": _unattributed(final),
-        "crashed_or_timed_out": sorted(
-            r["opinfo"] for r in stock if {"crash", "timeout"} & set(r.get("outcomes", {}))
-        ),
+        "crashed_or_timed_out": _crashed(stock),
+        "crashed_after_apply_all": _crashed(final),
     }
+
+
+def _crashed(records: list[dict[str, Any]]) -> list[str]:
+    """The OpInfos of a run whose ranks crashed or hung (nothing of them validated)."""
+    return sorted(r["opinfo"] for r in records if {"crash", "timeout"} & set(r.get("outcomes", {})))
 
 
 def _opinfo_of(found_by: str) -> str:
@@ -204,6 +208,10 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], rerun: set[str]) -> di
             {k for k in old["crashed_or_timed_out"] if k not in rerun}
             | set(new["crashed_or_timed_out"])
         ),
+        "crashed_after_apply_all": sorted(
+            {k for k in old.get("crashed_after_apply_all", []) if k not in rerun}
+            | set(new["crashed_after_apply_all"])
+        ),
         "rerun_opinfos": sorted(set(old.get("rerun_opinfos", [])) | rerun),
     }
 
@@ -237,14 +245,17 @@ def render(data: dict[str, Any]) -> str:
         "still wrong in the samples; and the cells wrong only with the patches applied.",
         "Some OpInfos were validated again after a fix, without re-running the rest",
         "(`--merge`; each release's `rerun_opinfos` in the data): the foreach OpInfos and",
-        "`unfold` on 2.9.1 to 2.13.0, and `pairwise_distance`, `cosine_similarity`,",
-        "`normalize` and the vector norms on 2.9.1, 2.10.0, 2.11.0 and 2.13.0 (2026-12-06);",
-        "2.14.1 and 2.15.0 not yet. Not yet validated: 2-D meshes.",
+        "`unfold` on every release, `pairwise_distance`, `cosine_similarity`, `normalize` and",
+        "the vector norms on 2.9.1, 2.10.0, 2.11.0 and 2.13.0 (2026-12-06), and on every release",
+        "the OpInfos whose ranks had crashed or hung, with the reductions over every dim",
+        "(2026-12-06). The last two columns count OpInfos whose ranks crashed or hung (one rank",
+        "raised while the others waited in a collective): on stock torch, and after",
+        "`apply_all()`. Not yet validated: 2-D meshes.",
         "",
         "| release | OpInfos | wrong cells | confirmed alone | context only | fixed by patches | "
         "routed | routed: a clear error | routed, still wrong | wrong in samples after "
-        "`apply_all()` | only with patches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "`apply_all()` | only with patches | crashed: stock | crashed: `apply_all()` |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for release in releases:
         entry = data["releases"][release]
@@ -256,7 +267,8 @@ def render(data: dict[str, Any]) -> str:
             f"{len(cells) - confirmed} | {confirmed - routed} | {routed} | "
             f"{len(entry.get('routed_clear_errors', []))} | "
             f"{len(entry.get('routed_after_apply_all', []))} | {len(entry['after_apply_all'])} | "
-            f"{len(entry['introduced_by_patches'])} |"
+            f"{len(entry['introduced_by_patches'])} | {len(entry['crashed_or_timed_out'])} | "
+            f"{len(entry.get('crashed_after_apply_all', []))} |"
         )
     lines += ["", "## By op family (stock / after `apply_all()`)", ""]
     families = sorted({c["family"] for r in releases for c in data["releases"][r]["cells"]})
@@ -301,7 +313,14 @@ def render(data: dict[str, Any]) -> str:
                 "Wrong at the end with no single call wrong (after `apply_all()`)",
                 entry["unattributed_after_apply_all"],
             ),
-            ("OpInfos whose ranks crashed or hung (not validated)", entry["crashed_or_timed_out"]),
+            (
+                "OpInfos whose ranks crashed or hung on stock torch (not validated there)",
+                entry["crashed_or_timed_out"],
+            ),
+            (
+                "OpInfos whose ranks crashed or hung after `apply_all()` (not validated)",
+                entry.get("crashed_after_apply_all", []),
+            ),
         ):
             if items:
                 lines += ["", f"{title}:", ""] + [f"- {item}" for item in items]
