@@ -51,7 +51,7 @@ from dtensor_patches.patches.nn import (
     context_parallel_cpu,
     conv_layouts,
     grouped_mm_shards,
-    layer_norm_sharded_weight,
+    layer_norm_backward_layouts,
     mv,
     sdpa_cpu,
 )
@@ -204,7 +204,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         tp_tied_weights.PATCH,
         as_strided.PATCH,
         conv_layouts.PATCH,
-        layer_norm_sharded_weight.PATCH,
+        layer_norm_backward_layouts.PATCH,
         inplace_view_shape.PATCH,
         t_of_vector.PATCH,
         full_state_dict.PATCH,

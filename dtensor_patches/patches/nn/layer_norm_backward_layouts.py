@@ -1,5 +1,5 @@
-"""The backward of ``layer_norm`` with its ``weight``/``bias`` sharded on a normalized dim raises
-on torch 2.9 to 2.11, and hangs where a shard is empty.
+"""The backward of ``layer_norm`` is wrong or raises on torch 2.9 to 2.11 when its weight and
+bias are sharded on a normalized dim, or when its inputs are pending (``Partial``).
 
 Trigger (measured on 2.9.1, 2.10.0 and 2.11.0; 2.12 and later right): ``F.layer_norm(x,
 x.shape[-k:], w, b)`` with ``w`` and ``b`` DTensors placed ``Shard(0)`` (an affine layer norm
@@ -10,12 +10,16 @@ against the whole normalized shape: ``RuntimeError: Expected weight to be of sam
 normalized_shape, but got weight of shape [2, 2, 3] and normalized_shape = [3, 2, 3]``. Where
 the normalized dim is shorter than the mesh, the rank whose shard is full-sized passes and
 the others raise: one rank waits for ever (what the strategy validator's ``layer_norm`` and
-``native_layer_norm`` ranks "crashed" on).
+``native_layer_norm`` ranks "crashed" on). With the input, weight and bias pending as
+``Partial(sum)`` (a layer norm applied to a row-parallel output before its reduction) the
+backward kept the shares and the input gradient was silently wrong (found by the validator
+once its ranks no longer crashed).
 
 Fix (a miss rule for ``native_layer_norm_backward``, consulted only on a cache miss): a call
-whose ``weight`` or ``bias`` is sharded runs with them replicated first (one all-gather of
-each: the normalized shape, which the kernel needs whole), then torch's strategy; every other
-call keeps torch's cached decision.
+whose ``weight`` or ``bias`` is sharded, or with any pending input, runs with those made
+``Replicate()`` first (an all-gather of the normalized shape, an all-reduce of a pending
+input: what the kernel needs whole), then torch's strategy; every other call keeps torch's
+cached decision.
 """
 
 from __future__ import annotations
@@ -34,35 +38,40 @@ from dtensor_patches.reproducers import Case, randn
 _AFFINE = (5, 6)
 
 
-def _sharded(spec: Any) -> bool:
-    return any(p.is_shard() for p in getattr(spec, "placements", None) or ())
+def _needs_whole(index: int, placements: Any) -> bool:
+    """Whether argument ``index`` placed ``placements`` must be made ``Replicate()``: a pending
+    input anywhere, a shard of the weight or bias."""
+    return any(p.is_partial() or (index in _AFFINE and p.is_shard()) for p in placements)
 
 
 def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
-    args = schema.args_schema
-    if any(i < len(args) and _sharded(args[i]) for i in _AFFINE):
-        return _affine_replicated
+    for index, arg in enumerate(schema.args_schema):
+        placements = getattr(arg, "placements", None)
+        if placements and _needs_whole(index, placements):
+            return _made_whole
     return None
 
 
-def _affine_replicated(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from torch.distributed.tensor import Replicate
+def _made_whole(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate
 
     args = list(args)
-    # Below autograd (inside DTensor's dispatch): the gathers carry no history, and the
-    # parameters themselves keep their placement (new DTensors are gathered).
-    with torch.no_grad():
-        for i in _AFFINE:
-            value = args[i]
-            if value is not None and any(p.is_shard() for p in value.placements):
-                wanted = [Replicate() if p.is_shard() else p for p in value.placements]
-                args[i] = value.detach().redistribute(value.device_mesh, wanted)
+    # Below autograd (inside DTensor's dispatch): the collectives carry no history, and the
+    # inputs themselves keep their placement (new DTensors are made).
+    for index, value in enumerate(args):
+        if isinstance(value, DTensor) and _needs_whole(index, value.placements):
+            wanted = [
+                p if p.is_replicate() or not _needs_whole(index, [p]) else Replicate()
+                for p in value.placements
+            ]
+            args[index] = value.detach().redistribute(value.device_mesh, wanted)
     return op_call(*args, **kwargs)
 
 
 def _concerns(call: Call) -> bool | None:
-    """A sharded weight or bias (the 5th and 6th tensor arguments) is the case."""
-    return any("S(" in i for i in call.inputs[4:6])
+    """A sharded weight or bias (the 5th and 6th tensor arguments), or a pending input, is the
+    case."""
+    return any("S(" in i for i in call.inputs[4:6]) or call.partial_inputs
 
 
 def _registrations() -> list[MissRule]:
@@ -86,6 +95,12 @@ CASES = [
         ["R", "S0", "S0"],
     ),
     Case(
+        "layer_norm grads, x, weight and bias pending",
+        _layer_norm_grads,
+        lambda: [randn(2, 3, 4), randn(3, 4, seed=1), randn(3, 4, seed=2)],
+        ["P", "P", "P"],
+    ),
+    Case(
         "layer_norm grads, weight Shard(1) of [3, 4], x Shard(0)",
         _layer_norm_grads,
         lambda: [randn(4, 3, 4), randn(3, 4, seed=1), randn(3, 4, seed=2)],
@@ -95,15 +110,16 @@ CASES = [
 
 
 PATCH = Patch(
-    name="layer_norm_sharded_weight",
-    summary="layer_norm's backward with weight/bias sharded on a normalized dim gathers them "
-    "instead of raising (or hanging on an empty shard) (2.9-2.11)",
+    name="layer_norm_backward_layouts",
+    summary="layer_norm's backward gathers a weight/bias sharded on a normalized dim and reduces "
+    "pending inputs instead of raising, hanging on an empty shard, or keeping shares (2.9-2.11)",
     ops=("aten.native_layer_norm_backward.default",),
     gate=SpecifierSet(">=2.9,<2.12"),
     overrides_existing=True,
     registrations=_registrations,
     concerns=_concerns,
     cases=CASES,
-    communication="an all-gather of the sharded weight and bias (the normalized shape)",
+    communication="an all-gather of a sharded weight and bias (the normalized shape), an "
+    "all-reduce of a pending input",
     replicates=True,
 )
