@@ -190,7 +190,9 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], rerun: set[str]) -> di
     def texts(name: str) -> list[str]:
         return sorted({t for t in old[name] if _opinfo_of(t) not in rerun} | set(new[name]))
 
-    added = [k for k in rerun if k not in _op_db()]
+    # OpInfos outside op_db counted once: a second re-run of one adds nothing.
+    known = set(old.get("rerun_opinfos", []))
+    added = [k for k in rerun if k not in _op_db() and k not in known]
     outcomes: Counter[str] = Counter(old.get("outcomes", {}))
     outcomes.update(new.get("outcomes", {}) if added else {})
     after = keys("after_apply_all")
