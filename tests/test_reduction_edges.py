@@ -121,3 +121,51 @@ def test_against_one_device(pool2: RankPool, name: str) -> None:
     for error, equal in pool2.run(_against_one_device, name):
         assert error is None, error
         assert equal, name
+
+
+# name -> (the computation on a Shard(0) x of [64, 256] float32 (64 KiB), the lower bound of
+# what it must move to a rank: the reduced values it combines, never x itself)
+_BYTES: dict[str, tuple[Callable[[Any], Any], int]] = {
+    "sum_empty_dims_keepdim": (lambda x: x.sum([], keepdim=True), 4),
+    # The column sums (256 float32), reduced once; then the division is local.
+    "scalar_over_column_sums": (lambda x: _const(x, 1.0) / x.sum(0), 256 * 4),
+    # The column maxima (256 float32), reduced once; then the norm is local.
+    "inf_norm_of_column_maxima": (
+        lambda x: torch.linalg.vector_norm(x.amax(0), float("inf")),
+        256 * 4,
+    ),
+    # The maximum and the tie count; then the gradient is local.
+    "grad_amax_over_every_dim": (_grad(lambda x: x.amax()), 2 * 4),
+}
+# Besides the lower bound: a few single numbers (a replicated constant's broadcast, a pending
+# scalar read or re-reduced by torch's own backward), never a row of x.
+_NUMBERS = 4 * 4
+
+
+def _bytes_moved(name: str) -> tuple[int, int]:
+    """(bytes every collective delivered to this rank, the bound) for ``_BYTES[name]`` under
+    ``apply_all()``, a reduced result read whole."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import dtensor_patches
+    from dtensor_patches.comm_bytes import CommBytes
+    from dtensor_patches.testing import world_mesh
+
+    dtensor_patches.revert_all()
+    dtensor_patches.apply_all()
+    try:
+        fn, lower_bound = _BYTES[name]
+        x = distribute_tensor(torch.randn(64, 256), world_mesh(), [Shard(0)])
+        with CommBytes() as moved:
+            out = fn(x)
+            if out.numel() < x.numel():
+                out.full_tensor()  # a reduced result read whole (a gradient stays sharded)
+        return moved.received, lower_bound + _NUMBERS
+    finally:
+        dtensor_patches.revert_all()
+
+
+@pytest.mark.parametrize("name", list(_BYTES))
+def test_bytes_stay_at_the_lower_bound(pool2: RankPool, name: str) -> None:
+    for received, bound in pool2.run(_bytes_moved, name):
+        assert received <= bound, (name, received, bound)
