@@ -44,12 +44,14 @@ log = logging.getLogger(__name__)
 #: Patches whose ops the critic runs on DTensors (see the module docstring for how found).
 CRITIC_PATCHES: frozenset[str] = frozenset(
     {
+        "empty_dims_reduce_all",
         "float_keywords_unkeyed",
         "full_state_dict",
         "inplace_writes",
         "mask_partial_reduced_first",
         "mean_uneven",
         "partial_add_scalar",
+        "partial_divisor",
         "partial_int_cast",
         "partial_item",
         "t_of_vector",
