@@ -31,12 +31,18 @@ T = TypeVar("T")
 __all__ = [
     "RankError",
     "RankPool",
+    "grid_mesh",
     "layout_agrees",
     "raised_on_any_rank",
     "run_on_ranks",
     "spec_disagreement",
     "world_mesh",
 ]
+
+
+_GRACE_AFTER_EXIT = 15.0
+"""Seconds the other ranks get to answer once a rank of a :class:`RankPool` exited without a
+reply (they may be waiting in a collective with it)."""
 
 
 class RankError(RuntimeError):
@@ -224,18 +230,38 @@ class RankPool:
         self._ready = True
 
     def _collect(self) -> list[tuple[str, Any]]:
-        replies: list[tuple[str, Any]] = []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(self.timeout):
+        """Every rank's reply, waiting on all ranks at once: a rank that exits without one
+        (a crash in a collective) is seen at once, and the others, which may be stuck in a
+        collective with it, get :data:`_GRACE_AFTER_EXIT` seconds to answer before the pool is
+        closed (instead of the whole ``timeout``)."""
+        import time
+        from multiprocessing.connection import wait
+
+        replies: dict[int, tuple[str, Any]] = {}
+        pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + self.timeout
+        exited = False
+        while pending:
+            left = deadline - time.monotonic()
+            ready = wait(list(pending.values()), timeout=max(left, 0)) if left > 0 else []
+            if not ready:
                 self.close()
-                raise TimeoutError(f"rank {rank} did not answer within {self.timeout} s")
-            try:
-                replies.append(conn.recv())
-            except EOFError:
-                replies.append(
-                    ("error", f"rank {rank} exited (exit code {self._procs[rank].exitcode})")
-                )
-        return replies
+                if exited:
+                    for rank in pending:
+                        replies[rank] = ("error", f"rank {rank} did not answer after a rank exited")
+                    break
+                raise TimeoutError(f"rank {min(pending)} did not answer within {self.timeout} s")
+            for rank in [r for r, conn in pending.items() if conn in ready]:
+                try:
+                    replies[rank] = pending.pop(rank).recv()
+                except EOFError:
+                    replies[rank] = (
+                        "error",
+                        f"rank {rank} exited (exit code {self._procs[rank].exitcode})",
+                    )
+                    exited = True
+                    deadline = min(deadline, time.monotonic() + _GRACE_AFTER_EXIT)
+        return [replies[rank] for rank in sorted(replies)]
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
@@ -350,6 +376,29 @@ def world_mesh() -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+@functools.cache
+def grid_mesh(shape: tuple[int, ...]) -> Any:
+    """A CPU mesh of ``shape`` (``(2, 2)``: a 2-D mesh, FSDP2 over TP) over every rank of this
+    process group, built on first use and reused (a 2-D mesh makes a process group per mesh
+    dim: building one per call would leak them).
+
+    Raises:
+        ValueError: the product of ``shape`` is not the world size.
+    """
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if math.prod(shape) != dist.get_world_size():
+        raise ValueError(
+            f"a mesh of shape {shape} needs {math.prod(shape)} ranks, not {dist.get_world_size()}"
+        )
+    if len(shape) == 1:
+        return world_mesh()
+    return init_device_mesh("cpu", shape)
 
 
 def raised_on_any_rank(fn: Callable[[], T]) -> tuple[T | None, str | None]:
