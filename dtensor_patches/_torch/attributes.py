@@ -20,7 +20,9 @@ The functions torch looks up by name when it runs, and where (same names 2.9 to 
   argument means, only for calls that have one; ``OpDispatcher._allow_implicit_replication`` is
   the property ``implicit_replication()`` sets (:mod:`.implicit_replication`);
 - a propagation cache miss runs ``ShardingPropagator.propagate_op_sharding_non_cached``
-  (2.10+: the C++ path's slow path, directly or through the Python cache built over it).
+  (2.10+: the C++ path's slow path, directly or through the Python cache built over it);
+- user code calls ``torch.linalg.matrix_rank`` (a public function, wrapped only because its
+  ``out=`` kernel loses the write under any ``__torch_dispatch__``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ FUNCTION_SITES: dict[str, tuple[str, ...]] = {
     "propagate_op_sharding_non_cached": (
         "torch.distributed.tensor._sharding_prop:ShardingPropagator",
     ),
+    "matrix_rank": ("torch.linalg",),
 }
 """Function name -> the owners (``module`` or ``module:Class``) where torch looks it up."""
 

@@ -111,6 +111,7 @@ from dtensor_patches.patches.vocab import (
 from dtensor_patches.patches.writes import (
     cumsum_inplace,
     inplace_writes,
+    matrix_rank_out,
     out_tensors_keyed,
     view_writes,
 )
@@ -164,6 +165,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         isin_searchsorted.PATCH,
         inplace_writes.PATCH,
         view_writes.PATCH,
+        matrix_rank_out.PATCH,
         index_put.PATCH,
         index_writes.PATCH,
         index_functional.PATCH,
