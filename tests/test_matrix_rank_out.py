@@ -73,6 +73,34 @@ def test_ranks_written_into_a_dtensor_out(
         assert sorted(set(want)) != [-1]  # the call wrote something: the check can fail
 
 
+def _empty_matrices(a_layout: str) -> tuple[str | None, list, list]:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import dtensor_patches
+    from dtensor_patches.testing import world_mesh
+
+    dtensor_patches.revert_all()
+    dtensor_patches.apply_all()
+    try:
+        mesh = world_mesh()
+        full = torch.randn(4, 0, 3)
+        a = distribute_tensor(full, mesh, [_placement(a_layout)])
+        o = distribute_tensor(torch.full((4,), -1), mesh, [Replicate()])
+        _, raised = raised_on_any_rank(lambda: torch.linalg.matrix_rank(a, out=o))
+        return raised, o.full_tensor().tolist(), torch.linalg.matrix_rank(full).tolist()
+    finally:
+        dtensor_patches.revert_all()
+
+
+@pytest.mark.parametrize("a_layout", ["S0", "S2", "R"])
+def test_matrices_without_elements_have_rank_zero(pool2: RankPool, a_layout: str) -> None:
+    """torch answers an empty batch of matrices with plain zeros on 2.13: written all the
+    same."""
+    for raised, got, want in pool2.run(_empty_matrices, a_layout):
+        assert raised is None, raised
+        assert got == want == [0, 0, 0, 0]
+
+
 def _wrong_shape_and_plain() -> tuple[str | None, list, bool, bool]:
     from torch.distributed.tensor import Replicate, distribute_tensor
 

@@ -47,6 +47,13 @@ def _writing_out(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         rest = {k: v for k, v in kwargs.items() if k != "out"}
         ranks = original(*args, **rest)
+        if not is_dtensor(ranks):
+            # Matrices with no elements: torch answers with plain zeros (2.13), the same on
+            # every rank, so they are a replicated value.
+            from torch.distributed.tensor import DTensor, Replicate
+
+            mesh = out.device_mesh
+            ranks = DTensor.from_local(ranks, mesh, [Replicate()] * mesh.ndim, run_check=False)
         if tuple(out.shape) != tuple(ranks.shape):
             raise RuntimeError(
                 f"torch.linalg.matrix_rank: out= is a DTensor of shape {tuple(out.shape)} but "
