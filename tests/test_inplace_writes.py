@@ -441,3 +441,60 @@ def _foreach_scale_of_max(factor: float) -> bool:
 @pytest.mark.parametrize("factor", [-2.0, 0.5])
 def test_foreach_scale_of_partial_max(pool2: RankPool, factor: float) -> None:
     assert all(pool2.run(_foreach_scale_of_max, factor))
+
+
+def _misplaced_inplace_2x2(name: str) -> tuple[str | None, bool, bool]:
+    """An in-place op on a 2x2 mesh whose decided output placement is not its target's (torch
+    2.13 propagates ``addmv_`` through its decomposition and wrote a local result of another
+    layout into the target; the next collective aborted gloo): the target's value and layout
+    against the same op on plain tensors."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import dtensor_patches
+    from dtensor_patches.testing import grid_mesh, raised_on_any_rank
+
+    mesh = grid_mesh((2, 2))
+    g = torch.Generator().manual_seed(7)
+    s, m, v = (
+        torch.randn(5, generator=g),
+        torch.randn(5, 5, generator=g),
+        torch.randn(5, generator=g),
+    )
+    x, mask = torch.randn(5, 4, generator=g), torch.rand(5, 4, generator=g) > 0.5
+    dp_only = [Shard(0), Replicate()]
+    cases = {
+        "addmv_": (
+            lambda: s.clone().addmv_(m, v),
+            lambda: distribute_tensor(s, mesh, dp_only).addmv_(
+                distribute_tensor(m, mesh, dp_only), distribute_tensor(v, mesh, dp_only)
+            ),
+        ),
+        "masked_fill_": (
+            lambda: x.clone().masked_fill_(mask, 10.0),
+            lambda: distribute_tensor(x, mesh, dp_only).masked_fill_(
+                distribute_tensor(mask, mesh, [Replicate(), Shard(0)]), 10.0
+            ),
+        ),
+    }
+    want_fn, got_fn = cases[name]
+    dtensor_patches.revert_all()
+    dtensor_patches.apply_all()
+    try:
+        got, raised = raised_on_any_rank(got_fn)
+        if raised is not None:
+            return raised, False, False
+        layout = tuple(got.placements) == tuple(dp_only) and got.to_local().shape[0] == (
+            3 if dist.get_rank() < 2 else 2
+        )
+        return None, torch.allclose(got.full_tensor(), want_fn(), atol=1e-5), layout
+    finally:
+        dtensor_patches.revert_all()
+
+
+@pytest.mark.parametrize("name", ["addmv_", "masked_fill_"])
+def test_inplace_op_whose_decision_misplaces_its_target_on_a_2x2_mesh(
+    pool4: RankPool, name: str
+) -> None:
+    for raised, equal, layout in pool4.run(_misplaced_inplace_2x2, name):
+        assert raised is None, raised
+        assert equal and layout

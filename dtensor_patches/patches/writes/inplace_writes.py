@@ -172,6 +172,11 @@ def _call_kind(name: str, args: Any, placements: Any) -> _Kind:
 def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     op = schema.op
     args = schema.args_schema
+    if torch.Tag.inplace_view in op.tags:
+        # ``squeeze_``, ``unsqueeze_``, ``transpose_``: they change the target's view, not a
+        # value, so a pending target needs no reduction (and writing shares back would keep
+        # the old shape: ``x.squeeze_(0)`` on a ``[Shard(1), Partial()]`` 2-D mesh target).
+        return None
     if writes_self(op) and args and _is_spec(args[0]):
         target = args[0]
         if any(p.is_partial() for p in target.placements):
@@ -187,7 +192,11 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
                 return None  # copies the shares: torch is right, with no communication
             return _write_partial_target
         error = native.error()
-        if error is not None and _PLACEMENT_CHANGE_REFUSAL in str(error) and _has_twin(op):
+        if error is not None:
+            if _PLACEMENT_CHANGE_REFUSAL in str(error) and _has_twin(op):
+                return _through_out_of_place
+            return None
+        if _misplaces_target(native.sharding(), target) and _has_twin(op):
             return _through_out_of_place
         return None
     if writes_self(op) and args and _partial_in_list(args[0]):
@@ -443,7 +452,26 @@ _NO_TWIN = frozenset({"aten.normal_.default", "aten.uniform_.default"})
 
 
 def _has_twin(op: Any) -> bool:
-    return str(op) not in _NO_TWIN
+    if str(op) in _NO_TWIN:
+        return False
+    try:
+        _out_of_place(op)
+    except Exception:  # noqa: BLE001 - no out-of-place overload of that name (resize_, set_)
+        return False
+    return True
+
+
+def _misplaces_target(sharding: Any, target: Any) -> bool:
+    """torch decided an output placement other than the in-place target's own: its local
+    result then belongs to another layout than the target's local tensor (measured on 2.13 on a
+    2x2 mesh: ``s.addmv_(m, v)`` with every tensor ``[Shard(0), Replicate()]``, which torch
+    propagates through the op's decomposition, left the target's local tensor the size of
+    another layout: the next collective aborted gloo)."""
+    spec = getattr(sharding, "output_spec", None)
+    if isinstance(spec, (list, tuple)):
+        spec = spec[0] if spec else None
+    placements = getattr(spec, "placements", None)
+    return placements is not None and tuple(placements) != tuple(target.placements)
 
 
 def _out_of_place(op_call: Any) -> Any:
