@@ -25,7 +25,7 @@ import torch
 from dtensor_patches._torch.dtensors import dtensor_class
 from dtensor_patches.cells import layout_of
 
-__all__ = ["MAX_ELEMENTS", "NotRecordable", "capture", "decode", "partial_local"]
+__all__ = ["MAX_ELEMENTS", "NotRecordable", "capture", "decode", "partial_local", "placements_of"]
 
 MAX_ELEMENTS = 4096
 """The most tensor elements a recorded call holds (keeps the shipped table small)."""
@@ -112,7 +112,13 @@ def _float(value: Any) -> float:
     return float(value)  # also "nan", "inf", "-inf"
 
 
-def _placements(layout: str) -> list[Any]:
+def placements_of(layout: str) -> list[Any]:
+    """The placements (one per mesh dim) of a layout text (``"S0~/P.sum"``).
+
+    Raises:
+        ValueError: a part is not ``R``, ``S<d>`` or ``P.<op>`` (``_MaskPartial`` cannot be
+            rebuilt from a full value).
+    """
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     out: list[Any] = []
@@ -164,7 +170,7 @@ def decode(value: Any, mesh: Any) -> Any:
             layout = value.get("layout")
             if layout is None:
                 return full
-            placements = _placements(layout)
+            placements = placements_of(layout)
             if not any(p.is_partial() for p in placements):
                 return distribute_tensor(full, mesh, placements)
             # Shard first (a replicated spec with the shards' dims), then the partial shares.

@@ -135,16 +135,20 @@ def _table() -> dict[str, Any]:
 
 def wrong_cells(release: Version | None = None) -> tuple[WrongCell, ...]:
     """The cells stock torch computes wrongly on ``release`` (default: the running torch's),
-    from ``data/wrong_cells.json``; empty for a release the validator has not measured.
+    from ``data/wrong_cells.json``, on every mesh measured (1-D, then 2-D); empty for a release
+    the validator has not measured.
 
     Raises:
         ValueError: the table is malformed.
     """
     if release is None:
         release = torch_release()
-    entry = _table().get("releases", {}).get(release_key(release))
-    if entry is None:
-        return ()
+    table = _table()
+    key = release_key(release)
+    # The 1-D mesh's entry, then each other mesh's (a 2-D mesh's cells name one layout per
+    # mesh dim, so no key of one mesh is a key of another).
+    entries = [table.get("releases", {}).get(key)]
+    entries += [mesh.get("releases", {}).get(key) for mesh in table.get("meshes", {}).values()]
     try:
         return tuple(
             WrongCell(
@@ -156,9 +160,11 @@ def wrong_cells(release: Version | None = None) -> tuple[WrongCell, ...]:
                 call=c.get("call"),
                 routed=bool(c.get("routed", False)),
             )
+            for entry in entries
+            if entry is not None
             for c in entry["cells"]
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"dtensor_patches/data/{_TABLE} is malformed: {exc!r}") from exc
 
 

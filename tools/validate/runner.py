@@ -14,7 +14,7 @@ from typing import Any
 
 from tools.sweep.catalog import ATOL, RTOL, categorize
 from tools.sweep.runner import _compare, _first_line, _map, _op_db, _tensors
-from tools.validate.layouts import PATTERNS, make_dtensor, placements_for
+from tools.validate.layouts import PATTERNS, make_dtensor, mesh_ndim, placements_for
 
 
 @dataclasses.dataclass
@@ -28,6 +28,9 @@ class Options:
     max_candidates: int = 24
     apply_patches: bool = False
     without_routing: bool = False
+    mesh_shape: tuple[int, ...] = ()
+    """The mesh the samples run on; ``()``: a 1-D mesh over every rank. A 2-D shape takes
+    patterns with one part per mesh dim (:data:`~tools.validate.layouts.PATTERNS_2D`)."""
 
 
 def family_of(aten_op: str, opinfo_name: str) -> str:
@@ -65,6 +68,50 @@ def _samples(op: Any, options: Options) -> list[Any]:
     return list(itertools.islice(samples, options.max_candidates))
 
 
+def _fingerprint(sample: Any) -> str:
+    """What a sample is, for comparing ranks: its tensors' shapes and dtypes and its other
+    arguments."""
+    import torch
+
+    def text(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"T{tuple(value.shape)}{value.dtype}"
+        if isinstance(value, (list, tuple)):
+            return "[" + ",".join(text(v) for v in value) + "]"
+        if isinstance(value, dict):
+            return "{" + ",".join(f"{k}:{text(v)}" for k, v in sorted(value.items())) + "}"
+        return repr(value)
+
+    return text([sample.input, list(sample.args), dict(sample.kwargs)])
+
+
+def _aligned(samples: list[Any], world: int) -> list[Any]:
+    """The samples in the same order on every rank: some generators order them differently
+    per process (an order from a set, Python's hash seed: ``meshgrid``'s samples alternate
+    ``indexing="xy"`` and ``"ij"`` in an order each rank picks). Rank 0's order, each rank
+    taking its own sample of the same fingerprint; one that a rank lacks is left out."""
+    import torch.distributed as dist
+
+    mine = [_fingerprint(sample) for sample in samples]
+    prints: list[Any] = [None] * world
+    dist.all_gather_object(prints, mine)
+    from collections import Counter
+
+    # Decided from the gathered fingerprints only, so every rank decides alike.
+    counts = [Counter(rank_prints) for rank_prints in prints]
+    taken: Counter[str] = Counter()
+    left = list(range(len(samples)))
+    out = []
+    for fingerprint in prints[0]:
+        if taken[fingerprint] >= min(c[fingerprint] for c in counts):
+            continue  # a rank lacks it (or has fewer of it)
+        taken[fingerprint] += 1
+        index = next(i for i in left if mine[i] == fingerprint)
+        left.remove(index)
+        out.append(samples[index])
+    return out
+
+
 def _usable(sample: Any) -> bool:
     return not sample.kwargs.get("dropout_p", 0)
 
@@ -97,16 +144,33 @@ def _seed(outputs: list[Any]) -> Any:
     return sum(o.to(torch.float64).sum() for o in outputs)
 
 
+def _mesh(options: Options) -> Any:
+    from dtensor_patches.testing import grid_mesh, world_mesh
+
+    return grid_mesh(options.mesh_shape) if options.mesh_shape else world_mesh()
+
+
+def _out_layout(layout: str) -> str:
+    """The layout of a DTensor ``out=``: the first tensor's, a pending part replicated (an
+    ``out=`` holds a result, never shares of one)."""
+    return "/".join("R" if part.startswith("P.") else part for part in layout.split("/"))
+
+
 def _one(
-    op: Any, fn: Callable[..., Any], sample: Any, pattern: str, variant: str, backward: bool
+    op: Any,
+    fn: Callable[..., Any],
+    sample: Any,
+    pattern: str,
+    variant: str,
+    backward: bool,
+    mesh: Any,
 ) -> dict[str, Any]:
-    """Run one (sample, pattern, variant); the cells found wrong and the outcome."""
+    """Run one (sample, pattern, variant) on ``mesh``; the cells found wrong and the
+    outcome."""
     import torch
 
     from dtensor_patches import verify
-    from dtensor_patches.testing import world_mesh
 
-    mesh = world_mesh()
     parts = (sample.input, tuple(sample.args), dict(sample.kwargs))
     tensors = list(_tensors(parts))
     if variant != "out" and not tensors:
@@ -134,9 +198,7 @@ def _one(
     if variant == "out":
         if not isinstance(expected, torch.Tensor) or expected.dim() == 0:
             return {"outcome": "skipped"}
-        first = placements_for(pattern, [expected])[0]
-        if first.startswith("P."):
-            first = "R"
+        first = _out_layout(placements_for(pattern, [expected])[0])
         try:
             kwargs["out"] = make_dtensor(torch.zeros_like(expected), first, mesh, False)
         except Exception as exc:  # noqa: BLE001 - an out gloo cannot hold (uint64) tests no op
@@ -218,6 +280,10 @@ def validate_ops(keys: list[str], options: Options) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     table = _op_db(foreach=True)
     world = dist.get_world_size()
+    mesh = _mesh(options)
+    wrong_ndim = [p for p in options.patterns if mesh_ndim(p) != mesh.ndim]
+    if wrong_ndim:
+        raise ValueError(f"patterns {wrong_ndim} do not lay out over a {mesh.ndim}-D mesh")
     records = []
     for key in keys:
         op = table[key]
@@ -231,9 +297,7 @@ def validate_ops(keys: list[str], options: Options) -> list[dict[str, Any]]:
         except Exception as exc:  # noqa: BLE001 - a broken sample generator tests nothing
             samples = []
             record["error"] = f"sample_inputs: {_first_line(exc)}"
-        lengths: list[Any] = [None] * world
-        dist.all_gather_object(lengths, len(samples))
-        samples = samples[: min(lengths)]
+        samples = _aligned(samples, world)
         for variant in options.variants:
             fn = _call(variant, op)
             if fn is None:
@@ -249,7 +313,7 @@ def validate_ops(keys: list[str], options: Options) -> list[dict[str, Any]]:
                     if shape in seen and pattern != "R":
                         continue  # the same layout as a pattern already run on this sample
                     seen.add(shape)
-                    result = _one(op, fn, sample, pattern, variant, options.backward)
+                    result = _one(op, fn, sample, pattern, variant, options.backward, mesh)
                     gathered: list[Any] = [None] * world
                     dist.all_gather_object(gathered, result)
                     if all(r["outcome"] == "skipped" for r in gathered):

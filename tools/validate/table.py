@@ -61,15 +61,18 @@ def _unattributed(records: list[dict[str, Any]]) -> list[str]:
     return sorted({u for r in records for u in r.get("unattributed", [])})
 
 
-def replay_on_rank(calls: dict[str, Any], setting: str) -> dict[str, str | None]:
+def replay_on_rank(
+    calls: dict[str, Any], setting: str, mesh_shape: tuple[int, ...] = ()
+) -> dict[str, str | None]:
     """Per rank: each recorded call replayed alone (``cell_replay.replay``) on stock torch
     (``"stock"``), with the hand-written patches (``"patches"``: every patch but the
     ``wrong_cells_*`` ones) or with everything (``"all"``); what differs, per cell key."""
     import dtensor_patches
     from dtensor_patches.cell_replay import replay
     from dtensor_patches.registry import all_patches
-    from dtensor_patches.testing import world_mesh
+    from dtensor_patches.testing import grid_mesh, world_mesh
 
+    mesh = grid_mesh(mesh_shape) if mesh_shape else world_mesh()
     dtensor_patches.revert_all()
     if setting == "patches":
         routing = [p.name for p in all_patches() if p.name.startswith("wrong_cells_")]
@@ -80,7 +83,7 @@ def replay_on_rank(calls: dict[str, Any], setting: str) -> dict[str, str | None]
     try:
         for key, call in calls.items():
             try:
-                out[key] = replay(call, world_mesh())
+                out[key] = replay(call, mesh)
             except Exception as exc:  # noqa: BLE001 - a call that cannot be rebuilt
                 out[key] = f"cannot replay: {type(exc).__name__}: {str(exc)[:120]}"
     finally:
@@ -88,15 +91,20 @@ def replay_on_rank(calls: dict[str, Any], setting: str) -> dict[str, str | None]
     return out
 
 
-def replays(calls: dict[str, Any], setting: str) -> dict[str, str | None]:
-    """:func:`replay_on_rank` on a fresh 2-rank pool (fresh: the patches are built from the
-    data file as it is now); a cell counts as wrong if any rank saw it wrong."""
+def replays(
+    calls: dict[str, Any], setting: str, mesh_shape: tuple[int, ...] = ()
+) -> dict[str, str | None]:
+    """:func:`replay_on_rank` on a fresh pool (fresh: the patches are built from the data file
+    as it is now) of 2 ranks, or of ``mesh_shape``'s; a cell counts as wrong if any rank saw
+    it wrong."""
+    import math
+
     from dtensor_patches.testing import RankPool
 
     if not calls:
         return {}
-    with RankPool(2, timeout=600) as pool:
-        results = pool.run(replay_on_rank, calls, setting)
+    with RankPool(math.prod(mesh_shape) if mesh_shape else 2, timeout=600) as pool:
+        results = pool.run(replay_on_rank, calls, setting, mesh_shape)
     return {key: next((r[key] for r in results if r[key] is not None), None) for key in calls}
 
 
@@ -107,6 +115,7 @@ def release_entry(
     final: list[dict[str, Any]],
     *,
     replay: bool = True,
+    mesh_shape: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """The table entry of one release from its three runs.
 
@@ -119,9 +128,9 @@ def release_entry(
     patched_cells = _cells(patched)
     final_cells = _cells(final)
     calls = {k: c["call"] for k, c in stock_cells.items() if c.get("call")}
-    on_stock = replays(calls, "stock") if replay else {}
+    on_stock = replays(calls, "stock", mesh_shape) if replay else {}
     confirmed = {k: calls[k] for k in calls if on_stock.get(k) is not None}
-    with_patches = replays(confirmed, "patches") if replay else {}
+    with_patches = replays(confirmed, "patches", mesh_shape) if replay else {}
     cells = []
     for key, cell in sorted(stock_cells.items()):
         alone = key in confirmed
@@ -219,10 +228,8 @@ def merge_entry(old: dict[str, Any], new: dict[str, Any], rerun: set[str]) -> di
 
 
 def render(data: dict[str, Any]) -> str:
-    """``docs/cells.md`` from the whole table."""
-    from packaging.version import Version
-
-    releases = sorted(data.get("releases", {}), key=Version)
+    """``docs/cells.md`` from the whole table: the 1-D mesh's entries, then each other mesh's
+    (``data["meshes"]``)."""
     lines = [
         "# Cells torch's own strategies get wrong, per release",
         "",
@@ -252,8 +259,39 @@ def render(data: dict[str, Any]) -> str:
         "the OpInfos whose ranks had crashed or hung, with the reductions over every dim",
         "(2026-12-06). The last two columns count OpInfos whose ranks crashed or hung (one rank",
         "raised while the others waited in a collective): on stock torch, and after",
-        "`apply_all()`. Not yet validated: 2-D meshes.",
+        "`apply_all()`. The 2-D mesh (2x2, 4 ranks) has its own tables below.",
         "",
+    ]
+    lines += _mesh_tables(data.get("releases", {}))
+    for shape, mesh in sorted(data.get("meshes", {}).items()):
+        lines += [
+            "",
+            f"# {shape} mesh",
+            "",
+            "The same validation on a 2-D mesh of 4 ranks (`python -m tools.validate --mesh",
+            f"{shape}`), with the 2-D placement patterns (`PATTERNS_2D`: one pattern per mesh",
+            "dim, e.g. `S0/S1` as FSDP2 + TP lay out a weight, `S0/S0` a dim sharded over both",
+            "mesh dims, `S0/P.sum` a data-parallel shard with a pending tensor-parallel sum).",
+            "Four ranks on a 2-core host are slow, so it covers a subset of `op_db`: on 2.13.0",
+            "the OpInfos of the common training ops and every OpInfo where a 1-D run found",
+            "anything on some release, three samples each; on the other releases the common",
+            "training ops and the OpInfos where 2.13.0's run found anything, two samples each",
+            "(the OpInfos column). Cell keys name one layout per mesh dim. The tripwires run on",
+            "2 ranks and cannot replay these cells; `tests/test_cells.py` replays them on a 2x2",
+            "mesh on every release in CI (every routed one on stock torch).",
+            "",
+        ]
+        lines += _mesh_tables(mesh.get("releases", {}), f" ({shape})")
+    return "\n".join(lines) + "\n"
+
+
+def _mesh_tables(entries: dict[str, Any], suffix: str = "") -> list[str]:
+    """The summary, by-family and per-release sections of one mesh's entries."""
+    from packaging.version import Version
+
+    releases = sorted(entries, key=Version)
+    data = {"releases": entries}
+    lines = [
         "| release | OpInfos | wrong cells | confirmed alone | context only | fixed by patches | "
         "routed | routed: a clear error | routed, still wrong | wrong in samples after "
         "`apply_all()` | only with patches | crashed: stock | crashed: `apply_all()` |",
@@ -272,7 +310,7 @@ def render(data: dict[str, Any]) -> str:
             f"{len(entry['introduced_by_patches'])} | {len(entry['crashed_or_timed_out'])} | "
             f"{len(entry.get('crashed_after_apply_all', []))} |"
         )
-    lines += ["", "## By op family (stock / after `apply_all()`)", ""]
+    lines += ["", f"## By op family (stock / after `apply_all()`){suffix}", ""]
     families = sorted({c["family"] for r in releases for c in data["releases"][r]["cells"]})
     lines.append("| family | " + " | ".join(releases) + " |")
     lines.append("|---|" + "---|" * len(releases))
@@ -286,7 +324,7 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"| {family} | " + " | ".join(row) + " |")
     for release in releases:
         entry = data["releases"][release]
-        lines += ["", f"## {entry['torch']}", ""]
+        lines += ["", f"## {entry['torch']}{suffix}", ""]
         if not entry["cells"]:
             lines.append("No wrong cell found.")
         for cell in entry["cells"]:
@@ -326,7 +364,7 @@ def render(data: dict[str, Any]) -> str:
         ):
             if items:
                 lines += ["", f"{title}:", ""] + [f"- {item}" for item in items]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,25 +381,37 @@ def main(argv: list[str] | None = None) -> int:
         help="the runs cover some OpInfos only: replace what those found in the release's "
         "entry and keep the rest (merge_entry)",
     )
+    parser.add_argument(
+        "--mesh",
+        help="the runs were on this 2-D mesh (2x2): their entry goes under data['meshes']",
+    )
     args = parser.parse_args(argv)
     from packaging.version import Version
 
     data = json.loads(args.data.read_text()) if args.data.exists() else {"releases": {}}
+    mesh_shape = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else ()
+    entries = (
+        data.setdefault("meshes", {}).setdefault(args.mesh, {}).setdefault("releases", {})
+        if args.mesh
+        else data.setdefault("releases", {})
+    )
     if args.stock is not None:
         version = Version(args.torch)
         release = f"{version.major}.{version.minor}"
         stock = _read(args.stock)
-        entry = release_entry(args.torch, stock, _read(args.patched), _read(args.final))
-        old = data.setdefault("releases", {}).get(release)
+        entry = release_entry(
+            args.torch, stock, _read(args.patched), _read(args.final), mesh_shape=mesh_shape
+        )
+        old = entries.get(release)
         if args.merge and old is not None:
             entry = merge_entry(old, entry, {r["opinfo"] for r in stock})
-        data["releases"][release] = entry
+        entries[release] = entry
     args.data.write_text(json.dumps(data, indent=None, separators=(",", ":")) + "\n")
     if args.stock is not None and args.final is not None:
         # Now that the data routes them, each routed cell replayed alone with everything on.
-        entry = data["releases"][f"{version.major}.{version.minor}"]
+        entry = entries[f"{version.major}.{version.minor}"]
         routed = {c["key"]: c["call"] for c in entry["cells"] if c["routed"]}
-        after = replays(routed, "all")
+        after = replays(routed, "all", mesh_shape)
         entry["routed_after_apply_all"] = sorted(
             k for k, v in after.items() if v is not None and not v.startswith("raises")
         )
