@@ -22,7 +22,7 @@ def _out(x: Any, *shape: int, dtype: torch.dtype | None = None) -> Any:
 
     out = torch.full(shape, -7.0, dtype=dtype or x.dtype)
     if isinstance(x, DTensor):
-        return distribute_tensor(out, x.device_mesh, [Replicate()])
+        return distribute_tensor(out, x.device_mesh, [Replicate()] * x.device_mesh.ndim)
     return out
 
 
@@ -79,25 +79,45 @@ _USER_CODE: dict[str, tuple[tuple[int, ...], int, Callable[[Any], Any]]] = {
 }
 
 
-def _against_one_device(name: str) -> tuple[str | None, bool]:
-    """(the first rank's error, if any rank raised; value equal to the plain op's)."""
+def _against_one_device(
+    name: str, mesh_shape: tuple[int, ...] = (2,), rows: int | None = None
+) -> tuple[str | None, bool]:
+    """(the first rank's error, if any rank raised; value equal to the plain op's). On a 2-D
+    ``mesh_shape`` the dim is sharded over every mesh dim in turn (``[Shard(d), Shard(d)]``),
+    ``rows`` long where given."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import dtensor_patches
-    from dtensor_patches.testing import world_mesh
+    from dtensor_patches.testing import grid_mesh
 
     dtensor_patches.revert_all()
     dtensor_patches.apply_all()
     try:
         shape, dim, fn = _USER_CODE[name]
+        if rows is not None:
+            shape = tuple(rows if d == dim else n for d, n in enumerate(shape))
         full = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-        x = distribute_tensor(full.clone(), world_mesh(), [Shard(dim)])
+        mesh = grid_mesh(mesh_shape)
+        x = distribute_tensor(full.clone(), mesh, [Shard(dim)] * mesh.ndim)
         got, raised = raised_on_any_rank(lambda: fn(x))
         if raised is not None:
             return raised, False
         return None, torch.equal(got.full_tensor(), fn(full))
     finally:
         dtensor_patches.revert_all()
+
+
+# On a 2x2 mesh with the reduced dim sharded over both mesh dims (nested shards: 2 rows give
+# 1, 0, 1, 0; 3 rows give 1, 1, 1, 0), where a check of each mesh dim alone sees no empty shard.
+_NESTED = ["amax_over_batch", "max_values_and_indices", "argmax_over_batch", "amax_into_out"]
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+@pytest.mark.parametrize("name", _NESTED)
+def test_extrema_over_nested_shards_on_a_2x2_mesh(pool4: RankPool, name: str, rows: int) -> None:
+    for error, equal in pool4.run(_against_one_device, name, (2, 2), rows):
+        assert error is None, error
+        assert equal, name
 
 
 @pytest.mark.parametrize("name", list(_USER_CODE))

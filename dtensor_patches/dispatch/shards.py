@@ -18,7 +18,7 @@ __all__ = [
     "contiguous_stride",
     "gather_full",
     "in_layout_of",
-    "leaves_a_rank_empty",
+    "nested_shards_leave_a_rank_empty",
     "partial_shares",
     "shard_of",
     "sharded_result",
@@ -26,12 +26,17 @@ __all__ = [
 ]
 
 
-def leaves_a_rank_empty(size: int, ranks: int) -> bool:
-    """Whether ``Shard`` of a dim of ``size`` over ``ranks`` leaves some rank no elements:
-    torch cuts ``ceil(size / ranks)``-sized chunks, so the last rank gets nothing once the
-    first ``ranks - 1`` chunks cover the dim (1 row on 2 ranks; 5 rows on 4 ranks: 2, 2, 1, 0)."""
-    chunk = -(-size // ranks)
-    return chunk * (ranks - 1) >= size
+def nested_shards_leave_a_rank_empty(size: int, ranks: Sequence[int]) -> bool:
+    """Whether one dim of ``size`` sharded over one or more mesh dims in turn (``ranks``: each
+    one's size, in mesh-dim order: ``Shard(0)`` on 2 ranks is ``[2]``, ``[Shard(0),
+    Shard(0)]`` on a 2x2 mesh ``[2, 2]``) leaves some rank no elements. torch cuts
+    ``ceil(size / n)``-sized chunks, so the last rank gets nothing once the first chunks cover
+    the dim (1 row on 2 ranks; 5 rows on 4 ranks: 2, 2, 1, 0), and each further mesh dim cuts
+    every chunk of the one before (5 rows: 3 and 2, then 2, 1 and 1, 1; 2 rows: 1, 0, 1, 0)."""
+    sizes = [size]
+    for n in ranks:
+        sizes = [max(0, min(-(-s // n), s - i * -(-s // n))) for s in sizes for i in range(n)]
+    return any(s == 0 for s in sizes)
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ from packaging.specifiers import SpecifierSet
 from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches._torch.schemas import resolve_op
 from dtensor_patches._torch.tables import custom_op_handlers
-from dtensor_patches.dispatch.shards import leaves_a_rank_empty, sharded_result
+from dtensor_patches.dispatch.shards import nested_shards_leave_a_rank_empty, sharded_result
 from dtensor_patches.patch import Handler, Patch
 from dtensor_patches.reproducers import Case, randn
 from dtensor_patches.strategies import is_shard
@@ -145,12 +145,14 @@ def _empty_shard_along(x: Any, dim: int) -> bool:
     """Whether ``dim`` of ``x`` is sharded so that some rank's shard is empty (torch's handler
     then raises on that rank only, in its local kernel, and the others hang in its gather)."""
     dim %= max(x.ndim, 1)
-    return any(
-        is_shard(p)
-        and p.dim % x.ndim == dim
-        and leaves_a_rank_empty(x.shape[dim], x.device_mesh.size(i))
+    # Over every mesh dim that shards it, in turn: on a 2x2 mesh [Shard(0), Shard(0)] of 2 rows
+    # leaves two ranks empty though each mesh dim alone divides what it cuts.
+    ranks = [
+        x.device_mesh.size(i)
         for i, p in enumerate(x.placements)
-    )
+        if is_shard(p) and p.dim % x.ndim == dim
+    ]
+    return bool(ranks) and nested_shards_leave_a_rank_empty(x.shape[dim], ranks)
 
 
 def _handler(native: Callable[..., Any] | None) -> Callable[..., Any]:

@@ -39,7 +39,7 @@ from dtensor_patches._torch.tables import custom_op_handlers
 from dtensor_patches._torch.versions import torch_release
 from dtensor_patches.calls import uneven_shards
 from dtensor_patches.dispatch.miss_rules import ANY_OP, DivertedCall, NativeDecision
-from dtensor_patches.dispatch.shards import leaves_a_rank_empty
+from dtensor_patches.dispatch.shards import nested_shards_leave_a_rank_empty
 from dtensor_patches.patch import Handler, MissRule, Patch
 from dtensor_patches.reproducers import compare, failure_of, randn
 from dtensor_patches.strategies import normalize_dims
@@ -87,14 +87,21 @@ def _dims_of(name: str, args: Any, kwargs: Any, ndim: int) -> tuple[int, ...] | 
 
 
 def _empty_mesh_dims(shape: Any, placements: Any, mesh: Any, dims: tuple[int, ...]) -> list[int]:
-    """The mesh dims whose ``Shard`` of one of ``dims`` leaves some rank's shard empty."""
+    """The mesh dims whose ``Shard`` of one of ``dims`` leaves some rank's shard empty: every
+    mesh dim that shards such a dim, where its shards (nested over several mesh dims on a 2-D
+    mesh: ``[Shard(0), Shard(0)]`` of 5 rows gives 2, 1, 1, 1; of 2 rows, two empty) leave
+    some rank none."""
     out = []
-    for mesh_dim, placement in enumerate(placements):
-        if placement.is_shard():
-            dim = placement.dim % len(shape)
-            if dim in dims and leaves_a_rank_empty(shape[dim], mesh.size(mesh_dim)):
-                out.append(mesh_dim)
-    return out
+    for dim in dims:
+        sharding = [
+            mesh_dim
+            for mesh_dim, placement in enumerate(placements)
+            if placement.is_shard() and placement.dim % len(shape) == dim
+        ]
+        ranks = [mesh.size(mesh_dim) for mesh_dim in sharding]
+        if sharding and nested_shards_leave_a_rank_empty(int(shape[dim]), ranks):
+            out.extend(sharding)
+    return sorted(set(out))
 
 
 # 2.9 has no strategy for _foreach_max (the fallback answers it, right); from 2.10 torch's
