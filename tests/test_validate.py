@@ -12,15 +12,18 @@ from dtensor_patches.testing import RankPool
 pytest.importorskip("expecttest", reason="torch's op_db needs expecttest")
 
 
-def _run(apply_patches: bool) -> list[dict]:
+def _run(
+    apply_patches: bool, patterns: tuple[str, ...] = ("R", "P.sum"), mesh_shape: tuple = ()
+) -> list[dict]:
     from tools.validate.runner import Options, validate_ops
 
     options = Options(
-        patterns=("R", "P.sum"),
+        patterns=patterns,
         variants=("inplace",),
         backward=False,
         max_samples=1,
         apply_patches=apply_patches,
+        mesh_shape=mesh_shape,
     )
     try:
         return validate_ops(["fill"], options)
@@ -56,23 +59,7 @@ def test_the_validator_finds_nothing_wrong_with_apply_all(pool2: RankPool) -> No
     assert records[0][0]["outcomes"].get("ok", 0) > 0
 
 
-def _run_2x2(apply_patches: bool) -> list[dict]:
-    from tools.validate.runner import Options, validate_ops
-
-    options = Options(
-        patterns=("R/P.sum", "S0/P.sum"),
-        variants=("inplace",),
-        backward=False,
-        max_samples=1,
-        apply_patches=apply_patches,
-        mesh_shape=(2, 2),
-    )
-    try:
-        return validate_ops(["fill"], options)
-    finally:
-        import dtensor_patches
-
-        dtensor_patches.revert_all()
+_PATTERNS_2X2 = ("R/P.sum", "S0/P.sum")
 
 
 def _replays_2x2(call: dict) -> str | None:
@@ -85,13 +72,13 @@ def _replays_2x2(call: dict) -> str | None:
 def test_the_validator_finds_a_2x2_mesh_cell_and_replays_it_there(pool4: RankPool) -> None:
     """The same cell on a 2x2 mesh: a pending sum over the second mesh dim, under a replicated
     or sharded first one; its key names both mesh dims and its call replays on 2x2."""
-    records = pool4.run(_run_2x2, False)
+    records = pool4.run(_run, False, _PATTERNS_2X2, (2, 2))
     cells = {c["key"]: c for c in records[0][0]["cells"]}
     assert "aten.fill_.Scalar(R/P.sum)" in cells, sorted(cells)
     call = cells["aten.fill_.Scalar(R/P.sum)"]["call"]
     assert call is not None and call["mesh"] == [2, 2]
     problems = pool4.run(_replays_2x2, call)
     assert problems[0] is not None and len(set(problems)) == 1
-    patched = pool4.run(_run_2x2, True)
+    patched = pool4.run(_run, True, _PATTERNS_2X2, (2, 2))
     assert patched[0][0]["cells"] == [], patched[0][0]["cells"]
     assert patched[0][0]["outcomes"].get("ok", 0) > 0
