@@ -173,10 +173,7 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     op = schema.op
     args = schema.args_schema
     if torch.Tag.inplace_view in op.tags:
-        # ``squeeze_``, ``unsqueeze_``, ``transpose_``: they change the target's view, not a
-        # value, so a pending target needs no reduction (and writing shares back would keep
-        # the old shape: ``x.squeeze_(0)`` on a ``[Shard(1), Partial()]`` 2-D mesh target).
-        return None
+        return None  # squeeze_, transpose_: a view, no value (inplace_view_shape's business)
     if writes_self(op) and args and _is_spec(args[0]):
         target = args[0]
         if any(p.is_partial() for p in target.placements):
@@ -462,14 +459,10 @@ def _has_twin(op: Any) -> bool:
 
 
 def _misplaces_target(sharding: Any, target: Any) -> bool:
-    """torch decided an output placement other than the in-place target's own: its local
-    result then belongs to another layout than the target's local tensor (measured on 2.13 on a
-    2x2 mesh: ``s.addmv_(m, v)`` with every tensor ``[Shard(0), Replicate()]``, which torch
-    propagates through the op's decomposition, left the target's local tensor the size of
-    another layout: the next collective aborted gloo)."""
+    """torch decided an output placement other than the in-place target's own (2.13, 2x2 mesh:
+    ``s.addmv_(m, v)`` all ``[Shard(0), Replicate()]`` left a local of another layout)."""
     spec = getattr(sharding, "output_spec", None)
-    if isinstance(spec, (list, tuple)):
-        spec = spec[0] if spec else None
+    spec = (spec[0] if spec else None) if isinstance(spec, (list, tuple)) else spec
     placements = getattr(spec, "placements", None)
     return placements is not None and tuple(placements) != tuple(target.placements)
 
