@@ -96,6 +96,7 @@ def make_dtensor(t: Any, layout: str, mesh: Any, requires_grad: bool) -> Any:
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     from dtensor_patches.cell_record import partial_local, placements_of
+    from dtensor_patches.dispatch.shards import contiguous_stride
 
     placements = placements_of(layout)
     if len(placements) != mesh.ndim:
@@ -111,9 +112,13 @@ def make_dtensor(t: Any, layout: str, mesh: Any, requires_grad: bool) -> Any:
         plain = [Replicate() if p.is_partial() else p for p in placements]
         local = distribute_tensor(t, mesh, plain).to_local()
         local = partial_local(local, placements, mesh).clone(memory_format=torch.contiguous_format)
-        full = torch.empty(t.shape, dtype=t.dtype)
         out = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=t.shape, stride=full.stride()
+            local,
+            mesh,
+            placements,
+            run_check=False,
+            shape=t.shape,
+            stride=contiguous_stride(t.shape),
         )
     if requires_grad and (t.is_floating_point() or t.is_complex()):
         out = out.detach().requires_grad_(True)
