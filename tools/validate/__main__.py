@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -29,29 +30,69 @@ def _done(path: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _merge(key: str, records: list[dict[str, Any]], failed: dict[str, str]) -> dict[str, Any]:
+    """One OpInfo's record from its patterns' records; ``failed``: pattern -> ``timeout`` or
+    ``crash`` for the patterns whose ranks hung or died (those stay in the outcomes, so the
+    OpInfo is still listed as crashed, with what else was validated beside them)."""
+    outcomes: dict[str, int] = {}
+    for record in records:
+        for outcome, count in record["outcomes"].items():
+            outcomes[outcome] = outcomes.get(outcome, 0) + count
+    for kind in failed.values():
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+    return {
+        "opinfo": key,
+        "outcomes": outcomes,
+        "cells": [c for r in records for c in r["cells"]],
+        "unattributed": [u for r in records for u in r["unattributed"]],
+        "failed_patterns": failed,
+    }
+
+
 def run(keys: list[str], options: Options, out: Path, world_size: int, op_timeout: float) -> None:
     """Validate ``keys`` on a pool of long-lived ranks, appending one JSON line per OpInfo to
-    ``out`` (an OpInfo already there is not run again: a run resumes where it stopped). A
-    timeout or a dead rank is recorded for its OpInfo and the ranks are restarted."""
+    ``out`` (an OpInfo already there is not run again: a run resumes where it stopped). When
+    an OpInfo's ranks hang or die, the ranks are restarted and its placement patterns run one
+    at a time: the record names the patterns that hang (``failed_patterns``) and keeps what
+    the others found, instead of losing the whole OpInfo to one hanging pattern."""
     from dtensor_patches.testing import RankPool
 
     done = _done(out)
     todo = [k for k in keys if k not in done]
     log.info("%d OpInfos to validate (%d already in %s)", len(todo), len(done), out)
     pool: RankPool | None = None
+
+    def attempt(key: str, opts: Options, timeout: float) -> dict[str, Any] | str:
+        nonlocal pool
+        if pool is None:
+            pool = RankPool(world_size, timeout=timeout)
+        pool.timeout = timeout
+        try:
+            return pool.run(validate_ops, [key], opts)[0][0]
+        except Exception as exc:  # noqa: BLE001 - a hang or a dead rank is this op's result
+            pool.close()
+            pool = None
+            return "timeout" if isinstance(exc, TimeoutError) else "crash"
+
     try:
         for n, key in enumerate(todo, 1):
-            if pool is None:
-                pool = RankPool(world_size, timeout=op_timeout)
             t0 = time.perf_counter()
-            try:
-                record = pool.run(validate_ops, [key], options)[0][0]
-            except Exception as exc:  # noqa: BLE001 - a hang or a dead rank is this op's result
-                kind = "timeout" if isinstance(exc, TimeoutError) else "crash"
-                log.warning("%s: %s; restarting the ranks", key, kind)
-                pool.close()
-                pool = None
-                record = {"opinfo": key, "outcomes": {kind: 1}, "cells": [], "unattributed": []}
+            result = attempt(key, options, op_timeout)
+            if isinstance(result, dict):
+                record = result
+            else:
+                log.warning("%s: %s; one pattern at a time", key, result)
+                parts: list[dict[str, Any]] = []
+                failed: dict[str, str] = {}
+                for pattern in options.patterns if len(options.patterns) > 1 else ():
+                    one = dataclasses.replace(options, patterns=(pattern,))
+                    part = attempt(key, one, max(30.0, op_timeout / 3))
+                    if isinstance(part, dict):
+                        parts.append(part)
+                    else:
+                        failed[pattern] = part
+                        log.warning("%s %s: %s", key, pattern, part)
+                record = _merge(key, parts, failed or {"*": result})
             with out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             log.info(
