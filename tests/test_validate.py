@@ -5,9 +5,15 @@ alone, and finds nothing with ``apply_all()``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import pytest
 
 from dtensor_patches.testing import RankPool
+
+if TYPE_CHECKING:
+    from tools.validate.runner import Options
 
 pytest.importorskip("expecttest", reason="torch's op_db needs expecttest")
 
@@ -82,3 +88,41 @@ def test_the_validator_finds_a_2x2_mesh_cell_and_replays_it_there(pool4: RankPoo
     patched = pool4.run(_run, True, _PATTERNS_2X2, (2, 2))
     assert patched[0][0]["cells"] == [], patched[0][0]["cells"]
     assert patched[0][0]["outcomes"].get("ok", 0) > 0
+
+
+def _hangs_on_s1(keys: list[str], options: Options) -> list[dict]:
+    """A stand-in for ``validate_ops`` whose ranks hang on the pattern ``S1``."""
+    import time
+
+    if "S1" in options.patterns:
+        time.sleep(600)
+    return [
+        {
+            "opinfo": keys[0],
+            "outcomes": {"ok": len(options.patterns)},
+            "cells": [{"key": f"cell under {p}"} for p in options.patterns if p == "S0"],
+            "unattributed": [],
+        }
+    ]
+
+
+def test_a_hanging_pattern_is_named_and_the_other_patterns_still_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    import tools.validate.__main__ as cli
+
+    monkeypatch.setattr(cli, "validate_ops", _hangs_on_s1)
+    out = tmp_path / "run.jsonl"
+    cli.run(["x"], Options(patterns=("R", "S1", "S0")), out, 2, op_timeout=5, pattern_timeout=5)
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["failed_patterns"] == {"S1": "timeout"}
+    assert record["outcomes"] == {"ok": 2, "timeout": 1}
+    assert record["cells"] == [{"key": "cell under S0"}]
+
+    from tools.validate.table import _crashed, _with_patterns
+
+    assert _crashed([record]) == ["x"]
+    (line,) = _with_patterns(["x"], {"x": record["failed_patterns"]})
+    assert "`S1` timeout" in line

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from dtensor_patches.patch import Patch
 from dtensor_patches.patches.edges import (
+    empty_shard_padding,
     from_local_uneven,
     full_state_dict,
     mesh_in_lists,
@@ -212,6 +213,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         full_state_dict.PATCH,
         from_local_uneven.PATCH,
         uneven_gather_layout.PATCH,
+        empty_shard_padding.PATCH,
         mesh_in_lists.PATCH,
         # Last: the validator's routed cells are those the patches above leave wrong, and an
         # op's own rule (a hand-written fix) is consulted before any any-op rule.

@@ -49,12 +49,20 @@ def _merge(key: str, records: list[dict[str, Any]], failed: dict[str, str]) -> d
     }
 
 
-def run(keys: list[str], options: Options, out: Path, world_size: int, op_timeout: float) -> None:
+def run(
+    keys: list[str],
+    options: Options,
+    out: Path,
+    world_size: int,
+    op_timeout: float,
+    pattern_timeout: float | None = None,
+) -> None:
     """Validate ``keys`` on a pool of long-lived ranks, appending one JSON line per OpInfo to
     ``out`` (an OpInfo already there is not run again: a run resumes where it stopped). When
     an OpInfo's ranks hang or die, the ranks are restarted and its placement patterns run one
     at a time: the record names the patterns that hang (``failed_patterns``) and keeps what
-    the others found, instead of losing the whole OpInfo to one hanging pattern."""
+    the others found, instead of losing the whole OpInfo to one hanging pattern (each pattern
+    gets ``pattern_timeout`` s, default a third of ``op_timeout`` and at least 30)."""
     from dtensor_patches.testing import RankPool
 
     done = _done(out)
@@ -86,7 +94,7 @@ def run(keys: list[str], options: Options, out: Path, world_size: int, op_timeou
                 failed: dict[str, str] = {}
                 for pattern in options.patterns if len(options.patterns) > 1 else ():
                     one = dataclasses.replace(options, patterns=(pattern,))
-                    part = attempt(key, one, max(30.0, op_timeout / 3))
+                    part = attempt(key, one, pattern_timeout or max(30.0, op_timeout / 3))
                     if isinstance(part, dict):
                         parts.append(part)
                     else:

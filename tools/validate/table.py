@@ -161,12 +161,32 @@ def release_entry(
         "unattributed_after_apply_all": _unattributed(final),
         "crashed_or_timed_out": _crashed(stock),
         "crashed_after_apply_all": _crashed(final),
+        "failed_patterns": _failed_patterns(stock),
+        "failed_patterns_after_apply_all": _failed_patterns(final),
     }
 
 
 def _crashed(records: list[dict[str, Any]]) -> list[str]:
-    """The OpInfos of a run whose ranks crashed or hung (nothing of them validated)."""
+    """The OpInfos of a run whose ranks crashed or hung (in some or all of their patterns)."""
     return sorted(r["opinfo"] for r in records if {"crash", "timeout"} & set(r.get("outcomes", {})))
+
+
+def _failed_patterns(records: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """OpInfo -> {pattern: ``timeout`` or ``crash``} for the OpInfos the validator re-ran one
+    pattern at a time (``"*"``: every pattern, or a run with one pattern)."""
+    return {r["opinfo"]: r["failed_patterns"] for r in records if r.get("failed_patterns")}
+
+
+def _with_patterns(names: list[str], failed: dict[str, dict[str, str]]) -> list[str]:
+    """``names`` with the patterns that crashed or hung, where the run knows them."""
+    out = []
+    for name in names:
+        where = failed.get(name, {})
+        if where and "*" not in where:
+            patterns = ", ".join(f"`{p}` {kind}" for p, kind in sorted(where.items()))
+            name = f"{name} (only {patterns}; its other patterns validated)"
+        out.append(name)
+    return out
 
 
 def _opinfo_of(found_by: str) -> str:
@@ -356,11 +376,14 @@ def _mesh_tables(entries: dict[str, Any], suffix: str = "") -> list[str]:
             ),
             (
                 "OpInfos whose ranks crashed or hung on stock torch (not validated there)",
-                entry["crashed_or_timed_out"],
+                _with_patterns(entry["crashed_or_timed_out"], entry.get("failed_patterns", {})),
             ),
             (
                 "OpInfos whose ranks crashed or hung after `apply_all()` (not validated)",
-                entry.get("crashed_after_apply_all", []),
+                _with_patterns(
+                    entry.get("crashed_after_apply_all", []),
+                    entry.get("failed_patterns_after_apply_all", {}),
+                ),
             ),
         ):
             if items:
