@@ -6,7 +6,7 @@ The record holds the op's name and every argument: a DTensor input as its full (
 dtype and layout (:func:`dtensor_patches.cells.layout_of`, 1-D and N-D meshes), a plain tensor
 as its value, and Python numbers, bools, strings, ``None``, dtypes and lists of them as
 themselves. A replay rebuilds each DTensor on the given mesh from its full value: ``Shard`` and
-``Replicate`` with ``distribute_tensor``; ``Partial(sum)`` as the full value divided by the
+``Replicate`` cut on each rank (``dispatch.shards.distributed_locally``, no communication); ``Partial(sum)`` as the full value divided by the
 mesh size on every rank, ``Partial(avg)`` as the full value on every rank, ``Partial(max)`` /
 ``Partial(min)`` as the full value on mesh coordinate 0 and one less / more elsewhere. Calls
 with a ``_MaskPartial`` input, complex values, or more than :data:`MAX_ELEMENTS` elements are
@@ -158,7 +158,9 @@ def partial_local(full: torch.Tensor, placements: Sequence[Any], mesh: Any) -> t
 def decode(value: Any, mesh: Any) -> Any:
     """A recorded argument as a value on ``mesh``: DTensors rebuilt from their full value and
     layout (see the module doc), every rank at once."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from dtensor_patches.dispatch.shards import distributed_locally
 
     if isinstance(value, dict):
         if "tensor" in value:
@@ -172,10 +174,10 @@ def decode(value: Any, mesh: Any) -> Any:
                 return full
             placements = placements_of(layout)
             if not any(p.is_partial() for p in placements):
-                return distribute_tensor(full, mesh, placements)
+                return distributed_locally(full, mesh, placements)
             # Shard first (a replicated spec with the shards' dims), then the partial shares.
             plain = [Replicate() if p.is_partial() else p for p in placements]
-            sharded = distribute_tensor(full, mesh, plain)
+            sharded = distributed_locally(full, mesh, plain)
             local = partial_local(sharded.to_local(), placements, mesh)
             return DTensor.from_local(
                 local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()

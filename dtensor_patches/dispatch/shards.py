@@ -128,6 +128,32 @@ def shard_of(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placemen
     return partial_shares(local, mesh, placements)
 
 
+def distributed_locally(
+    full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> Any:
+    """``full`` as a DTensor under ``placements`` (``Shard``/``Replicate`` only), each rank
+    cutting its shard from its own copy of ``full``: no communication, contiguous locals, and
+    ``full``'s shape and stride as the global ones (as ``distribute_tensor`` gives). Every rank
+    must hold the same ``full``.
+
+    ``distribute_tensor`` scatters from rank 0 and pads uneven shards first; on 2.9 that
+    padding raises on the ranks whose shard is empty along another dim (a ``[5, 1]`` tensor as
+    ``[Shard(1), Shard(0)]`` on a 2x2 mesh), and the other ranks hang in the scatter. Building
+    samples this way keeps that bug out of what is measured about the ops.
+    """
+    from torch.distributed.tensor import DTensor
+
+    local = shard_of(full, mesh, placements).contiguous()
+    return DTensor.from_local(
+        local,
+        mesh,
+        tuple(placements),
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
+
+
 def _dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether ``stride`` lays out ``shape`` densely without overlap (a permutation of a
     contiguous layout: what a transpose of a contiguous tensor has)."""

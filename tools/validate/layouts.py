@@ -93,24 +93,24 @@ def make_dtensor(t: Any, layout: str, mesh: Any, requires_grad: bool) -> Any:
         ValueError: ``layout`` has another number of parts than ``mesh`` has dims.
     """
     import torch
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     from dtensor_patches.cell_record import partial_local, placements_of
-    from dtensor_patches.dispatch.shards import contiguous_stride
+    from dtensor_patches.dispatch.shards import contiguous_stride, distributed_locally
 
     placements = placements_of(layout)
     if len(placements) != mesh.ndim:
         raise ValueError(f"layout {layout!r} is for a {len(placements)}-D mesh, not {mesh.ndim}-D")
     t = t.detach().clone()
     if not any(p.is_partial() for p in placements):
-        out = distribute_tensor(t, mesh, placements)
+        out = distributed_locally(t, mesh, placements)
     else:
         # Shard first (a spec with the partial mesh dims replicated), then take each rank's
         # share. Fresh contiguous strides on every rank: an empty sample counts as contiguous
         # with any strides, and a share computed on one rank only (max/min) would get new
         # ones, so the ranks would disagree on the global stride.
         plain = [Replicate() if p.is_partial() else p for p in placements]
-        local = distribute_tensor(t, mesh, plain).to_local()
+        local = distributed_locally(t, mesh, plain).to_local()
         local = partial_local(local, placements, mesh).clone(memory_format=torch.contiguous_format)
         out = DTensor.from_local(
             local,

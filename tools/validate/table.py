@@ -65,16 +65,19 @@ def replay_on_rank(
     calls: dict[str, Any], setting: str, mesh_shape: tuple[int, ...] = ()
 ) -> dict[str, str | None]:
     """Per rank: each recorded call replayed alone (``cell_replay.replay``) on stock torch
-    (``"stock"``), with the hand-written patches (``"patches"``: every patch but the
+    (``"stock"``: with only ``runner.STOCK_KEEPS``), with the hand-written patches (``"patches"``: every patch but the
     ``wrong_cells_*`` ones) or with everything (``"all"``); what differs, per cell key."""
     import dtensor_patches
     from dtensor_patches.cell_replay import replay
     from dtensor_patches.registry import all_patches
     from dtensor_patches.testing import grid_mesh, world_mesh
+    from tools.validate.runner import STOCK_KEEPS
 
     mesh = grid_mesh(mesh_shape) if mesh_shape else world_mesh()
     dtensor_patches.revert_all()
-    if setting == "patches":
+    if setting == "stock":
+        dtensor_patches.apply_all(only=STOCK_KEEPS)
+    elif setting == "patches":
         routing = [p.name for p in all_patches() if p.name.startswith("wrong_cells_")]
         dtensor_patches.apply_all(exclude=routing)
     elif setting == "all":
