@@ -297,16 +297,28 @@ def render(data: dict[str, Any]) -> str:
             "mesh dims, `S0/P.sum` a data-parallel shard with a pending tensor-parallel sum).",
             "Four ranks on a 2-core host are slow, so it covers a subset of `op_db`: the",
             "OpInfos of the common training ops and every OpInfo where a 1-D run found anything",
-            "on some release, three samples each (the OpInfos column), so far on 2.13.0 only",
-            "(2026-12-06). The OpInfos the first run found crashing or wrong after `apply_all()`",
+            "on some release, three samples each (the OpInfos column), on",
+            f"{', '.join(mesh['releases'][r].get('torch', r) for r in _by_release(mesh.get('releases', {})))}"
+            " so far (2026-12-06 and -07).",
+            "On 2.13.0 the OpInfos the first run found crashing or wrong after `apply_all()`",
             "were validated again after the fixes they led to (`--merge`). Cell keys name one",
-            "layout per mesh dim. The tripwires run on 2 ranks and cannot replay these cells;",
-            "`tests/test_cells.py` replays them on a 2x2 mesh on every release in CI (every",
-            "routed one on stock torch).",
+            "layout per mesh dim. An OpInfo whose ranks hang is run again one pattern at a",
+            "time: the lists name the patterns that hang, and the others count. Stock runs",
+            "keep the collective fix `empty_shard_padding` (2.9 only): without it the",
+            "validator's own gathers of shards empty along another dim hang. The tripwires run",
+            "on 2 ranks and cannot replay these cells; `tests/test_cells.py` replays them on a",
+            "2x2 mesh on every release in CI (every routed one on stock torch).",
             "",
         ]
         lines += _mesh_tables(mesh.get("releases", {}), f" ({shape})")
     return "\n".join(lines) + "\n"
+
+
+def _by_release(entries: dict[str, Any]) -> list[str]:
+    """The releases of ``entries``, oldest first."""
+    from packaging.version import Version
+
+    return sorted(entries, key=Version)
 
 
 def _mesh_tables(entries: dict[str, Any], suffix: str = "") -> list[str]:
