@@ -106,12 +106,14 @@ def _hangs_on_s1(keys: list[str], options: Options) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 def test_a_hanging_pattern_is_named_and_the_other_patterns_still_count(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import json
 
     import tools.validate.__main__ as cli
+    from tools.validate.runner import Options
 
     monkeypatch.setattr(cli, "validate_ops", _hangs_on_s1)
     out = tmp_path / "run.jsonl"
