@@ -170,6 +170,9 @@ def _replay_sample(
     dtensor_patches.revert_all()  # stock torch (this pool's tests apply in blocks only)
     if patched:
         dtensor_patches.apply_all()
+    else:
+        # What the validator measured stock torch with (tools.validate.runner.STOCK_KEEPS).
+        dtensor_patches.apply_all(only=("empty_shard_padding",))
     try:
         for cell in cells:
             results.append((cell.key, replay(cell.call, mesh)))  # type: ignore[arg-type]
