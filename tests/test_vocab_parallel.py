@@ -327,3 +327,52 @@ def test_a_vocab_parallel_lookup_then_what_users_do_next(
         # The lookup's own size at most (its pending sum reduced before the mask is lost):
         # never the vocabulary-sized weight or logits.
         assert got["largest"] <= got["lookup_bytes"] < got["vocab_bytes"], got
+
+
+def _nested_embedding_on_rank(follow_up: str, vocab: int) -> dict[str, Any]:
+    """``F.embedding`` of replicated ids in a weight whose vocab dim is sharded over both dims
+    of a 2x2 mesh (``[Shard(0), Shard(0)]``), then ``follow_up`` and a backward, with the
+    ranks' errors exchanged stage by stage (stock torch raised on some ranks only)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dtensor_patches import patched
+    from dtensor_patches.comm_bytes import CommBytes
+    from dtensor_patches.testing import grid_mesh, raised_on_any_rank
+
+    mesh = grid_mesh((2, 2))
+    g = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, 4, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (2, 3), generator=g)
+    plain = weight.clone().requires_grad_()
+    expected = FOLLOW_UPS[follow_up](F.embedding(ids, plain))
+    expected.sum().backward()
+    out: dict[str, Any] = {"expected": expected.detach(), "expected_grad": plain.grad}
+    with patched():
+        w = distribute_tensor(weight, mesh, [Shard(0), Shard(0)]).requires_grad_()
+        dist_ids = distribute_tensor(ids, mesh, [Replicate(), Replicate()])
+        with CommBytes() as moved:
+            got, error = raised_on_any_rank(lambda: FOLLOW_UPS[follow_up](F.embedding(dist_ids, w)))
+            if error is None:
+                full, error = raised_on_any_rank(lambda: got.full_tensor())
+        if error is None:
+            grad, error = raised_on_any_rank(
+                lambda: (got.sum().backward(), w.grad.full_tensor())[1]
+            )
+    out["error"] = error
+    if error is None:
+        out.update(got=full.detach(), grad=grad, largest=moved.largest)
+    out["lookup_bytes"] = 2 * 3 * 4 * 8
+    return out
+
+
+@pytest.mark.parametrize("vocab", [10, 3], ids=["uneven", "a_rank_empty"])
+@pytest.mark.parametrize("follow_up", ["view", "sum", "index", "cast"])
+def test_an_embedding_over_nested_vocab_shards_on_a_2x2_mesh(
+    pool4: RankPool, follow_up: str, vocab: int
+) -> None:
+    for got in pool4.run(_nested_embedding_on_rank, follow_up, vocab):
+        assert got["error"] is None, got["error"]
+        torch.testing.assert_close(got["got"], got["expected"], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got["grad"], got["expected_grad"], rtol=1e-9, atol=1e-9)
+        # The lookup's pending sums reduced at its own size, never the weight gathered.
+        assert got["largest"] <= got["lookup_bytes"], got

@@ -103,6 +103,7 @@ from dtensor_patches.patches.views import (
     unfold,
 )
 from dtensor_patches.patches.vocab import (
+    embedding_over_nested_shards,
     gather_over_shards,
     mask_partial_reduced_first,
     nll_loss_over_classes,
@@ -195,6 +196,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         nll_loss_over_classes.PATCH,
         topk_over_shards.PATCH,
         mask_partial_reduced_first.PATCH,
+        embedding_over_nested_shards.PATCH,
         partial_item.PATCH,
         partial_norms.PATCH,
         empty_shard_extrema.PATCH,
