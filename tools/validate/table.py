@@ -95,20 +95,52 @@ def replay_on_rank(
 
 
 def replays(
-    calls: dict[str, Any], setting: str, mesh_shape: tuple[int, ...] = ()
+    calls: dict[str, Any],
+    setting: str,
+    mesh_shape: tuple[int, ...] = (),
+    *,
+    timeout: float = 150.0,
+    call_timeout: float = 60.0,
 ) -> dict[str, str | None]:
     """:func:`replay_on_rank` on a fresh pool (fresh: the patches are built from the data file
     as it is now) of 2 ranks, or of ``mesh_shape``'s; a cell counts as wrong if any rank saw
-    it wrong."""
+    it wrong. When the ranks hang or die (a call that hangs on stock torch: some ranks raise
+    while the others wait in a collective), the calls are replayed one at a time on pools
+    restarted after each such call, and a call that hangs alone is wrong ("hangs")."""
     import math
 
     from dtensor_patches.testing import RankPool
 
     if not calls:
         return {}
-    with RankPool(math.prod(mesh_shape) if mesh_shape else 2, timeout=600) as pool:
-        results = pool.run(replay_on_rank, calls, setting, mesh_shape)
-    return {key: next((r[key] for r in results if r[key] is not None), None) for key in calls}
+    world = math.prod(mesh_shape) if mesh_shape else 2
+
+    def merged(results: list[dict[str, str | None]], keys: Any) -> dict[str, str | None]:
+        return {key: next((r[key] for r in results if r[key] is not None), None) for key in keys}
+
+    try:
+        with RankPool(world, timeout=timeout) as pool:
+            return merged(pool.run(replay_on_rank, calls, setting, mesh_shape), calls)
+    except Exception:  # noqa: BLE001 - a hang or a dead rank: find the call, one at a time
+        pass
+    out: dict[str, str | None] = {}
+    pool: RankPool | None = None
+    try:
+        for key, call in calls.items():
+            if pool is None:
+                pool = RankPool(world, timeout=call_timeout)
+            try:
+                out.update(
+                    merged(pool.run(replay_on_rank, {key: call}, setting, mesh_shape), [key])
+                )
+            except Exception as exc:  # noqa: BLE001 - this call hangs or kills a rank
+                out[key] = f"hangs or a rank died when replayed alone ({type(exc).__name__})"
+                pool.close()
+                pool = None
+    finally:
+        if pool is not None:
+            pool.close()
+    return out
 
 
 def release_entry(
@@ -132,7 +164,10 @@ def release_entry(
     final_cells = _cells(final)
     calls = {k: c["call"] for k, c in stock_cells.items() if c.get("call")}
     on_stock = replays(calls, "stock", mesh_shape) if replay else {}
-    confirmed = {k: calls[k] for k in calls if on_stock.get(k) is not None}
+    # A call that hangs alone on stock torch is a bug, but no tripwire can replay a hang: it
+    # is listed, not routed (what apply_all() makes of it is in the final run).
+    hangs = {k for k, v in on_stock.items() if v is not None and v.startswith("hangs")}
+    confirmed = {k: calls[k] for k in calls if on_stock.get(k) is not None and k not in hangs}
     with_patches = replays(confirmed, "patches", mesh_shape) if replay else {}
     cells = []
     for key, cell in sorted(stock_cells.items()):
@@ -146,6 +181,7 @@ def release_entry(
                 "found_by": cell["found_by"],
                 "replays_alone": alone,
                 "routed": alone and with_patches.get(key) is not None,
+                **({"hangs_alone_on_stock": True} if key in hangs else {}),
                 "call": cell.get("call") if alone else None,
             }
         )
@@ -364,7 +400,9 @@ def _mesh_tables(entries: dict[str, Any], suffix: str = "") -> list[str]:
         if not entry["cells"]:
             lines.append("No wrong cell found.")
         for cell in entry["cells"]:
-            if not cell.get("replays_alone", False):
+            if cell.get("hangs_alone_on_stock"):
+                how = "hangs when replayed alone on stock torch: not routed"
+            elif not cell.get("replays_alone", False):
                 how = "wrong only in its sample's context: not routed"
             else:
                 how = "routed" if cell["routed"] else "fixed by the hand-written patches"
