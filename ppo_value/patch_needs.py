@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 #: Patches whose ops the critic runs on DTensors (see the module docstring for how found).
 CRITIC_PATCHES: frozenset[str] = frozenset(
     {
+        "embedding_over_nested_shards",
         "empty_dims_reduce_all",
         "float_keywords_unkeyed",
         "full_state_dict",

@@ -141,6 +141,12 @@ def _families(mesh_shape: tuple[int, ...] = (2,)) -> dict[str, list[Any]]:
 
 FAMILIES = sorted(_families())
 FAMILIES_2X2 = sorted(_families((2, 2)))
+# Families with routed 2x2 cells: those that tripwires would replay on stock torch. A family's
+# other 2x2 cells are not replayed on stock: some (index_copy_ on 2.13) hang there after other
+# replays in the same process, and nothing but the routed ones relies on stock being wrong.
+FAMILIES_2X2_ROUTED = sorted(
+    f for f, cells in _families((2, 2)).items() if any(c.routed for c in cells)
+)
 
 
 def _sample(cells: list[Any], count: int = 4) -> list[Any]:
@@ -222,9 +228,9 @@ def test_formerly_wrong_2x2_mesh_cells_give_the_single_device_result(
     _assert_right(pool4.run(_replay_sample, family, True, (2, 2)))
 
 
-@pytest.mark.skipif(not FAMILIES_2X2, reason="no 2x2-mesh cell recorded for this torch release")
-@pytest.mark.parametrize("family", FAMILIES_2X2)
-def test_stock_torch_still_gets_the_recorded_2x2_mesh_cells_wrong(
+@pytest.mark.skipif(not FAMILIES_2X2_ROUTED, reason="no routed 2x2-mesh cell for this release")
+@pytest.mark.parametrize("family", FAMILIES_2X2_ROUTED)
+def test_stock_torch_still_gets_the_routed_2x2_mesh_cells_wrong(
     pool4: RankPool, family: str
 ) -> None:
     _assert_still_wrong(pool4.run(_replay_sample, family, False, (2, 2), True))
