@@ -6,9 +6,10 @@ The record holds the op's name and every argument: a DTensor input as its full (
 dtype and layout (:func:`dtensor_patches.cells.layout_of`, 1-D and N-D meshes), a plain tensor
 as its value, and Python numbers, bools, strings, ``None``, dtypes and lists of them as
 themselves. A replay rebuilds each DTensor on the given mesh from its full value: ``Shard`` and
-``Replicate`` cut on each rank (``dispatch.shards.distributed_locally``, no communication); ``Partial(sum)`` as the full value divided by the
-mesh size on every rank, ``Partial(avg)`` as the full value on every rank, ``Partial(max)`` /
-``Partial(min)`` as the full value on mesh coordinate 0 and one less / more elsewhere. Calls
+``Replicate`` cut on each rank (``dispatch.shards.distributed_locally``, no communication);
+``Partial(sum)`` as the full value divided by the mesh size on every rank, ``Partial(avg)`` as
+the full value on every rank, ``Partial(max)`` / ``Partial(min)`` as the full value on mesh
+coordinate 0 and one less / more elsewhere. Calls
 with a ``_MaskPartial`` input, complex values, or more than :data:`MAX_ELEMENTS` elements are
 not recorded (``capture`` returns ``None``).
 """
@@ -160,7 +161,7 @@ def decode(value: Any, mesh: Any) -> Any:
     layout (see the module doc), every rank at once."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    from dtensor_patches.dispatch.shards import distributed_locally
+    from dtensor_patches.dispatch.shards import distributed_locally, shard_of
 
     if isinstance(value, dict):
         if "tensor" in value:
@@ -177,8 +178,7 @@ def decode(value: Any, mesh: Any) -> Any:
                 return distributed_locally(full, mesh, placements)
             # Shard first (a replicated spec with the shards' dims), then the partial shares.
             plain = [Replicate() if p.is_partial() else p for p in placements]
-            sharded = distributed_locally(full, mesh, plain)
-            local = partial_local(sharded.to_local(), placements, mesh)
+            local = partial_local(shard_of(full, mesh, plain).contiguous(), placements, mesh)
             return DTensor.from_local(
                 local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
             )

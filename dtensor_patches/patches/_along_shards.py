@@ -22,12 +22,15 @@ __all__ = [
     "LOW_PRECISION",
     "all_gather_along",
     "all_reduce_over",
+    "block_lookup",
     "mesh_dims_sharding",
     "plain_layout",
+    "replicated_over",
     "shard_extent",
     "sharded_along",
     "softmax_backward_on_shards",
     "softmax_on_shards",
+    "summed_over",
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -42,6 +45,30 @@ def plain_layout(placements: Sequence[Any]) -> bool:
 def mesh_dims_sharding(placements: Sequence[Any], dim: int) -> tuple[int, ...]:
     """The mesh dims whose placement is ``Shard(dim)`` (``dim`` non-negative)."""
     return tuple(i for i, p in enumerate(placements) if is_shard(p) and p.dim == dim)
+
+
+def replicated_over(placements: Sequence[Any], mesh_dims: Sequence[int]) -> bool:
+    """Whether ``placements`` is ``Replicate()`` on every mesh dim of ``mesh_dims``: the ids of
+    a lookup must be whole on the mesh dims that split the looked-up dim."""
+    return all(placements[i].is_replicate() for i in mesh_dims)
+
+
+def block_lookup(ids: torch.Tensor, offset: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global indices ``ids`` (any shape, int64) made local to a block of ``size`` entries
+    starting at ``offset``: ``(local, inside)``, where ``local`` is clamped into ``[0, size)``
+    (so a lookup never leaves the block) and the bool ``inside`` marks the ids the block holds.
+    The lookups of ``gather`` and ``embedding`` zero what is not ``inside`` and sum the blocks
+    (``Partial("sum")``): each id is held by exactly one block. ``size`` 0 gives all-false."""
+    shifted = ids - offset
+    inside = (shifted >= 0) & (shifted < size)
+    return shifted.clamp(0, max(size - 1, 0)), inside
+
+
+def summed_over(placements: Sequence[Any], mesh_dims: Sequence[int]) -> list[Any]:
+    """``placements`` with ``Partial("sum")`` on the mesh dims of ``mesh_dims``."""
+    from torch.distributed.tensor import Partial
+
+    return [Partial("sum") if i in mesh_dims else p for i, p in enumerate(placements)]
 
 
 def shard_extent(

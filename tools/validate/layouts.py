@@ -96,7 +96,7 @@ def make_dtensor(t: Any, layout: str, mesh: Any, requires_grad: bool) -> Any:
     from torch.distributed.tensor import DTensor, Replicate
 
     from dtensor_patches.cell_record import partial_local, placements_of
-    from dtensor_patches.dispatch.shards import contiguous_stride, distributed_locally
+    from dtensor_patches.dispatch.shards import contiguous_stride, distributed_locally, shard_of
 
     placements = placements_of(layout)
     if len(placements) != mesh.ndim:
@@ -110,7 +110,7 @@ def make_dtensor(t: Any, layout: str, mesh: Any, requires_grad: bool) -> Any:
         # with any strides, and a share computed on one rank only (max/min) would get new
         # ones, so the ranks would disagree on the global stride.
         plain = [Replicate() if p.is_partial() else p for p in placements]
-        local = distributed_locally(t, mesh, plain).to_local()
+        local = shard_of(t, mesh, plain)
         local = partial_local(local, placements, mesh).clone(memory_format=torch.contiguous_format)
         out = DTensor.from_local(
             local,

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from dtensor_patches._torch.dtensors import local_shape_and_offset, local_tensor
+from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches._torch.schemas import op_arguments
 from dtensor_patches.dispatch.gather import replicated_result
 from dtensor_patches.dispatch.shards import shard_of
+from dtensor_patches.patches._along_shards import block_lookup, shard_extent
 from dtensor_patches.strategies import is_shard
 
 __all__ = ["class_sharded", "elementwise_loss", "nll_loss"]
@@ -145,21 +146,14 @@ def elementwise_loss(op_call: Any, args: Any, kwargs: Any) -> Any:
     return _partial_sum(out, mesh, placements)
 
 
-def shard_extent(shape: Any, mesh: Any, placements: Any, dim: int) -> tuple[int, int]:
-    """``(offset, size)`` of this rank's block along ``dim``."""
-    local_shape, offset = local_shape_and_offset(shape, mesh, placements)
-    return offset[dim], local_shape[dim]
-
-
 def _class_shard_targets(
     target: torch.Tensor, ignore_index: int, offset: int, size: int
 ) -> torch.Tensor:
     """Targets of this rank's class block: ``target - offset`` where it falls in the block,
     else -1, which the local kernel is then told to ignore (the caller's ``ignore_index``
     included: shifted, it could name a class of this block)."""
-    local = target - offset
-    keep = (target != ignore_index) & (local >= 0) & (local < size)
-    return torch.where(keep, local, torch.full_like(local, -1))
+    local, inside = block_lookup(target, offset, size)
+    return torch.where(inside & (target != ignore_index), local, torch.full_like(local, -1))
 
 
 def nll_loss(op_call: Any, args: Any, kwargs: Any) -> Any:

@@ -32,7 +32,14 @@ from dtensor_patches._torch.dtensors import local_tensor
 from dtensor_patches.dispatch.miss_rules import DivertedCall, NativeDecision
 from dtensor_patches.dispatch.shards import sharded_result
 from dtensor_patches.patch import MissRule, Patch
-from dtensor_patches.patches._along_shards import mesh_dims_sharding, plain_layout, shard_extent
+from dtensor_patches.patches._along_shards import (
+    block_lookup,
+    mesh_dims_sharding,
+    plain_layout,
+    replicated_over,
+    shard_extent,
+    summed_over,
+)
 
 OP = "aten.embedding.default"
 
@@ -51,31 +58,24 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     over = mesh_dims_sharding(weight.placements, 0)
     if len(over) < 2:
         return None  # one split of the vocab: torch's _MaskPartial is right
-    for mesh_dim, (p, q) in enumerate(zip(weight.placements, ids.placements, strict=True)):
-        if mesh_dim in over:
-            if not q.is_replicate():
-                return None
-        elif not p.is_replicate():
-            return None  # the embedding dim split too: left to torch
+    if not replicated_over(ids.placements, over):
+        return None
+    if any(not p.is_replicate() for i, p in enumerate(weight.placements) if i not in over):
+        return None  # the embedding dim split too: left to torch
     return _embedding
 
 
 def _embedding(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from torch.distributed.tensor import Partial
-
     weight, ids = args[0], args[1]
     mesh = weight.device_mesh
     offset, size = shard_extent(weight.shape, mesh, weight.placements, 0)
     rows = local_tensor(weight)
-    local_ids = local_tensor(ids) - offset
-    inside = (local_ids >= 0) & (local_ids < size)
+    local_ids, inside = block_lookup(local_tensor(ids), offset, size)
     if size == 0:
         picked = rows.new_zeros((*local_ids.shape, weight.shape[1]))
     else:
-        picked = F.embedding(local_ids.clamp(0, size - 1), rows)
-        picked = picked.masked_fill(~inside.unsqueeze(-1), 0)
-    over = mesh_dims_sharding(weight.placements, 0)
-    placements = [Partial("sum") if i in over else q for i, q in enumerate(ids.placements)]
+        picked = F.embedding(local_ids, rows).masked_fill(~inside.unsqueeze(-1), 0)
+    placements = summed_over(ids.placements, mesh_dims_sharding(weight.placements, 0))
     return sharded_result(picked, mesh, placements, (*ids.shape, weight.shape[1]))
 
 

@@ -30,9 +30,12 @@ from dtensor_patches.dispatch.miss_rules import DivertedCall, NativeDecision
 from dtensor_patches.dispatch.shards import sharded_result
 from dtensor_patches.patch import MissRule, Patch
 from dtensor_patches.patches._along_shards import (
+    block_lookup,
     mesh_dims_sharding,
     plain_layout,
+    replicated_over,
     shard_extent,
+    summed_over,
 )
 from dtensor_patches.patches.vocab._reproduce import moves_no_full_tensor
 from dtensor_patches.strategies import is_shard
@@ -55,32 +58,29 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     over = mesh_dims_sharding(x.placements, dim)
     if not over or len(index.shape) != len(x.shape):
         return None
+    if not replicated_over(index.placements, over):
+        return None
     for mesh_dim, (p, q) in enumerate(zip(x.placements, index.placements, strict=True)):
-        if mesh_dim in over:
-            if not q.is_replicate():
-                return None
-        elif p != q or (is_shard(p) and x.shape[p.dim] != index.shape[p.dim]):
+        if mesh_dim not in over and (
+            p != q or (is_shard(p) and x.shape[p.dim] != index.shape[p.dim])
+        ):
             # Other mesh dims must cut the input and the index alike (batch shards).
             return None
     return _gather
 
 
 def _gather(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from torch.distributed.tensor import Partial
-
     x, dim, index = args[0], args[1], args[2]
     dim %= x.ndim
     mesh = x.device_mesh
     offset, size = shard_extent(x.shape, mesh, x.placements, dim)
-    ids = local_tensor(index) - offset
-    inside = (ids >= 0) & (ids < size)
+    ids, inside = block_lookup(local_tensor(index), offset, size)
     local = local_tensor(x)
     if size == 0:
         picked = local.new_zeros(ids.shape)
     else:
-        picked = local.gather(dim, ids.clamp(0, size - 1)).masked_fill(~inside, 0)
-    over = mesh_dims_sharding(x.placements, dim)
-    placements = [Partial("sum") if i in over else q for i, q in enumerate(index.placements)]
+        picked = local.gather(dim, ids).masked_fill(~inside, 0)
+    placements = summed_over(index.placements, mesh_dims_sharding(x.placements, dim))
     return sharded_result(picked, mesh, placements, index.shape)
 
 
