@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = [
+    "STARTUP_TIMEOUT",
     "RankError",
     "RankPool",
     "grid_mesh",
@@ -39,6 +40,11 @@ __all__ = [
     "world_mesh",
 ]
 
+
+STARTUP_TIMEOUT = 300.0
+"""Seconds a fresh :class:`RankPool` that runs calls with a short ``timeout`` may give its
+ranks to import torch and join the process group (``startup_timeout``): on 2 busy cores four
+ranks of a CUDA build of torch take over a minute."""
 
 _GRACE_AFTER_EXIT = 15.0
 """Seconds the other ranks get to answer once a rank of a :class:`RankPool` exited without a
@@ -145,6 +151,9 @@ class RankPool:
         env: extra environment variables set on every rank before torch is imported there
             (e.g. ``{"DTENSOR_PATCHES_DISABLE": "all"}``).
         timeout: seconds to wait for one :meth:`run` (or for start-up) before failing.
+        startup_timeout: seconds to wait for start-up instead (default ``timeout``): a short
+            per-call ``timeout`` should not also bound every rank's import of torch, which on
+            a loaded machine takes longer.
         wait: wait here until every rank has joined the process group. With ``False`` the
             constructor returns once the processes are spawned, so the caller can work while
             the ranks import torch; the first :meth:`run` (or :meth:`wait_ready`) waits, and
@@ -165,6 +174,7 @@ class RankPool:
         backend: str = "gloo",
         env: Mapping[str, str] | None = None,
         timeout: float = 600.0,
+        startup_timeout: float | None = None,
         wait: bool = True,
         quiet: bool = False,
     ) -> None:
@@ -172,6 +182,7 @@ class RankPool:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
+        self.startup_timeout = startup_timeout
         self.startup_warnings: list[str] = []
         self._ready = False
         ctx = mp.get_context("spawn")
@@ -209,14 +220,14 @@ class RankPool:
         Raises:
             RuntimeError: the pool is closed.
             RankError: a rank failed to start or join; the pool is then closed.
-            TimeoutError: a rank did not answer within ``timeout``.
+            TimeoutError: a rank did not answer within ``startup_timeout`` (or ``timeout``).
         """
         if self._ready:
             return
         if not self._conns:
             raise RuntimeError("RankPool is closed")
         try:
-            replies = self._collect()
+            replies = self._collect(self.startup_timeout)
             failures = {r: tb for r, (kind, tb) in enumerate(replies) if kind != "ready"}
             if failures:
                 raise RankError(failures)
@@ -229,17 +240,18 @@ class RankPool:
                     self.startup_warnings.append(note)
         self._ready = True
 
-    def _collect(self) -> list[tuple[str, Any]]:
+    def _collect(self, timeout: float | None = None) -> list[tuple[str, Any]]:
         """Every rank's reply, waiting on all ranks at once: a rank that exits without one
         (a crash in a collective) is seen at once, and the others, which may be stuck in a
         collective with it, get :data:`_GRACE_AFTER_EXIT` seconds to answer before the pool is
-        closed (instead of the whole ``timeout``)."""
+        closed (instead of the whole ``timeout``, or ``timeout`` given here)."""
         import time
         from multiprocessing.connection import wait
 
+        timeout = self.timeout if timeout is None else timeout
         replies: dict[int, tuple[str, Any]] = {}
         pending = dict(enumerate(self._conns))
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         exited = False
         while pending:
             left = deadline - time.monotonic()
@@ -250,7 +262,7 @@ class RankPool:
                     for rank in pending:
                         replies[rank] = ("error", f"rank {rank} did not answer after a rank exited")
                     break
-                raise TimeoutError(f"rank {min(pending)} did not answer within {self.timeout} s")
+                raise TimeoutError(f"rank {min(pending)} did not answer within {timeout} s")
             for rank in [r for r, conn in pending.items() if conn in ready]:
                 try:
                     replies[rank] = pending.pop(rank).recv()

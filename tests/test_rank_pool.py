@@ -42,3 +42,21 @@ def _answer(value: int) -> int:
 
 def test_replies_come_back_in_rank_order(pool2: RankPool) -> None:
     assert pool2.run(_answer, 21) == [42, 42]
+
+
+def _slow_answer(seconds: float) -> int:
+    time.sleep(seconds)
+    return 1
+
+
+def test_startup_has_its_own_timeout_and_calls_keep_theirs() -> None:
+    # Two ranks importing torch on a busy machine can take longer than a short call timeout:
+    # ``startup_timeout`` bounds the start, and the short ``timeout`` still ends a call.
+    with RankPool(2, timeout=3, startup_timeout=300) as pool:
+        pool.wait_ready()
+        assert pool.timeout == 3
+        assert pool.run(_slow_answer, 0.0) == [1, 1]
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="within 3 s"):
+            pool.run(_slow_answer, 60.0)
+        assert time.monotonic() - start < 30

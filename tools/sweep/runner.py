@@ -437,7 +437,7 @@ def run_sweep(
     """
     import torch
 
-    from dtensor_patches.testing import RankPool
+    from dtensor_patches.testing import STARTUP_TIMEOUT, RankPool
 
     options = options or Options()
     start = time.perf_counter()
@@ -451,12 +451,16 @@ def run_sweep(
     patch_report = ""
     try:
         if options.apply_patches:
-            pool = RankPool(world_size, env=env, timeout=op_timeout)
+            pool = RankPool(
+                world_size, env=env, timeout=op_timeout, startup_timeout=STARTUP_TIMEOUT
+            )
             patch_report = pool.run(apply_patches_report, options.fallback)[0]
             log.info("%s", patch_report)
         for n, key in enumerate(todo, 1):
             if pool is None:
-                pool = RankPool(world_size, env=env, timeout=op_timeout)
+                pool = RankPool(
+                    world_size, env=env, timeout=op_timeout, startup_timeout=STARTUP_TIMEOUT
+                )
             t0 = time.perf_counter()
             try:
                 rows.extend(pool.run(sweep_ops, [key], options)[0])

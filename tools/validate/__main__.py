@@ -63,7 +63,7 @@ def run(
     at a time: the record names the patterns that hang (``failed_patterns``) and keeps what
     the others found, instead of losing the whole OpInfo to one hanging pattern (each pattern
     gets ``pattern_timeout`` s, default a third of ``op_timeout`` and at least 30)."""
-    from dtensor_patches.testing import RankPool
+    from dtensor_patches.testing import STARTUP_TIMEOUT, RankPool
 
     done = _done(out)
     todo = [k for k in keys if k not in done]
@@ -73,7 +73,9 @@ def run(
     def attempt(key: str, opts: Options, timeout: float) -> dict[str, Any] | str:
         nonlocal pool
         if pool is None:
-            pool = RankPool(world_size, timeout=timeout)
+            # Start-up (every rank importing torch) is not the op's time: on a loaded machine
+            # it can take longer than a short op timeout, which would then blame the op.
+            pool = RankPool(world_size, timeout=timeout, startup_timeout=STARTUP_TIMEOUT)
         pool.timeout = timeout
         try:
             return pool.run(validate_ops, [key], opts)[0][0]

@@ -109,7 +109,7 @@ def replays(
     restarted after each such call, and a call that hangs alone is wrong ("hangs")."""
     import math
 
-    from dtensor_patches.testing import RankPool
+    from dtensor_patches.testing import STARTUP_TIMEOUT, RankPool
 
     if not calls:
         return {}
@@ -128,7 +128,7 @@ def replays(
     try:
         for key, call in calls.items():
             if pool is None:
-                pool = RankPool(world, timeout=call_timeout)
+                pool = RankPool(world, timeout=call_timeout, startup_timeout=STARTUP_TIMEOUT)
             try:
                 out.update(
                     merged(pool.run(replay_on_rank, {key: call}, setting, mesh_shape), [key])
