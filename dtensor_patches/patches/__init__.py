@@ -114,6 +114,7 @@ from dtensor_patches.patches.writes import (
     cumsum_inplace,
     inplace_writes,
     matrix_rank_out,
+    out_keeps_placement,
     out_tensors_keyed,
     view_writes,
 )
@@ -168,6 +169,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         inplace_writes.PATCH,
         view_writes.PATCH,
         matrix_rank_out.PATCH,
+        out_keeps_placement.PATCH,
         index_put.PATCH,
         index_writes.PATCH,
         index_functional.PATCH,

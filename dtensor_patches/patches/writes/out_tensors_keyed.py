@@ -13,9 +13,9 @@ tensors are left half written under its old placement: wrong values, no error. M
 It is what the strategy validator saw as "context-only" cells: ``mm.out`` into views inside
 ``linalg.multi_dot`` after another layout's sample.
 
-Not fixed here: a strategy that ignores the out's placement altogether (``amax.out`` on every
-release: its decision follows the input) relabels the out on a fresh call too, with the same
-effect on a view's base (docs/known-gaps.md).
+A strategy that ignores the out's placement altogether (``amax.out``: its decision follows the
+input) relabels the out on a fresh call too, with the same effect on a view's base: fixed by
+``out_keeps_placement`` (2.9 to 2.13), which needs the out keyed as here.
 
 The same holds for the ``out=`` overloads torch propagates through their decomposition (no
 strategy of their own, 2.11+): torch infers their ``RuntimeSchemaInfo`` on the first call and
