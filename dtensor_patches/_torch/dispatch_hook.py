@@ -110,6 +110,15 @@ class NativeDecision:
             return None
         return self._result
 
+    def output_specs(self) -> tuple[Any, ...] | None:
+        """The output specs of :meth:`sharding`, one per output (a non-tensor output's is
+        ``None``), or ``None`` when torch decided no sharding for the call."""
+        sharding = self.sharding()
+        spec = None if sharding is None else sharding.output_spec
+        if spec is None:
+            return None
+        return tuple(spec) if isinstance(spec, list | tuple) else (spec,)
+
 
 def _active() -> bool:
     return bool(state.MISS_RULES) or state.FALLBACK.get("call") is not None

@@ -193,7 +193,7 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
             if _PLACEMENT_CHANGE_REFUSAL in str(error) and _has_twin(op):
                 return _through_out_of_place
             return None
-        if _misplaces_target(native.sharding(), target) and _has_twin(op):
+        if _misplaces_target(native, target) and _has_twin(op):
             return _through_out_of_place
         return None
     if writes_self(op) and args and _partial_in_list(args[0]):
@@ -458,11 +458,11 @@ def _has_twin(op: Any) -> bool:
     return True
 
 
-def _misplaces_target(sharding: Any, target: Any) -> bool:
+def _misplaces_target(native: NativeDecision, target: Any) -> bool:
     """torch decided an output placement other than the in-place target's own (2.13, 2x2 mesh:
     ``s.addmv_(m, v)`` all ``[Shard(0), Replicate()]`` left a local of another layout)."""
-    spec = getattr(sharding, "output_spec", None)
-    spec = (spec[0] if spec else None) if isinstance(spec, (list, tuple)) else spec
+    specs = native.output_specs()
+    spec = specs[0] if specs else None
     placements = getattr(spec, "placements", None)
     return placements is not None and tuple(placements) != tuple(target.placements)
 

@@ -80,13 +80,6 @@ def _out_names(op: Any) -> tuple[str, ...]:
     return out_argument_names(op)
 
 
-def _output_specs(sharding: Any) -> tuple[Any, ...] | None:
-    spec = getattr(sharding, "output_spec", None)
-    if spec is None:
-        return None
-    return tuple(spec) if isinstance(spec, list | tuple) else (spec,)
-
-
 def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
     names = _out_names(schema.op)
     if not names:
@@ -96,7 +89,7 @@ def _rule(schema: Any, native: NativeDecision) -> DivertedCall | None:
         return None  # a plain tensor (the mixed-tensor patches' case) or no out given
     if not all(plain_layout(out.placements) for out in outs):
         return None
-    specs = _output_specs(native.sharding())
+    specs = native.output_specs()
     if specs is None or len(specs) != len(outs):
         return None
     if any(getattr(spec, "placements", None) is None for spec in specs):
