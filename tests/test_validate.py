@@ -128,3 +128,33 @@ def test_a_hanging_pattern_is_named_and_the_other_patterns_still_count(
     assert _crashed([record]) == ["x"]
     (line,) = _with_patterns(["x"], {"x": record["failed_patterns"]})
     assert "`S1` timeout" in line
+
+
+def _slow_as_a_whole(keys: list[str], options: Options) -> list[dict]:
+    import time
+
+    if len(options.patterns) > 1:
+        time.sleep(600)  # the whole OpInfo outlasts op_timeout; each pattern alone does not
+    return [
+        {"opinfo": keys[0], "outcomes": {"ok": 1}, "cells": [], "unattributed": []},
+    ]
+
+
+@pytest.mark.slow
+def test_an_opinfo_whose_every_pattern_passes_alone_is_not_listed_as_crashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    import tools.validate.__main__ as cli
+    from tools.validate.runner import Options
+    from tools.validate.table import _crashed
+
+    monkeypatch.setattr(cli, "validate_ops", _slow_as_a_whole)
+    out = tmp_path / "run.jsonl"
+    cli.run(["x"], Options(patterns=("R", "S0")), out, 2, op_timeout=5, pattern_timeout=30)
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["outcomes"] == {"ok": 2}
+    assert record["failed_patterns"] == {}
+    assert record["whole_run"] == "timeout"
+    assert _crashed([record]) == []

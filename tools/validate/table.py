@@ -212,7 +212,7 @@ def _crashed(records: list[dict[str, Any]]) -> list[str]:
 
 def _failed_patterns(records: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     """OpInfo -> {pattern: ``timeout`` or ``crash``} for the OpInfos the validator re-ran one
-    pattern at a time (``"*"``: every pattern, or a run with one pattern)."""
+    pattern at a time (``"*"``: a run with one pattern)."""
     return {r["opinfo"]: r["failed_patterns"] for r in records if r.get("failed_patterns")}
 
 
