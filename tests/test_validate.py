@@ -6,7 +6,7 @@ alone, and finds nothing with ``apply_all()``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -106,19 +106,34 @@ def _hangs_on_s1(keys: list[str], options: Options) -> list[dict]:
     ]
 
 
-@pytest.mark.slow
-def test_a_hanging_pattern_is_named_and_the_other_patterns_still_count(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _record_of_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stand_in: Any,
+    patterns: tuple[str, ...],
+    pattern_timeout: float,
+) -> dict[str, Any]:
+    """The one record ``tools.validate`` writes for OpInfo ``x`` with ``stand_in`` as
+    ``validate_ops`` on 2 real ranks (op timeout 5 s)."""
     import json
 
     import tools.validate.__main__ as cli
     from tools.validate.runner import Options
 
-    monkeypatch.setattr(cli, "validate_ops", _hangs_on_s1)
+    monkeypatch.setattr(cli, "validate_ops", stand_in)
     out = tmp_path / "run.jsonl"
-    cli.run(["x"], Options(patterns=("R", "S1", "S0")), out, 2, op_timeout=5, pattern_timeout=5)
+    cli.run(
+        ["x"], Options(patterns=patterns), out, 2, op_timeout=5, pattern_timeout=pattern_timeout
+    )
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    return record
+
+
+@pytest.mark.slow
+def test_a_hanging_pattern_is_named_and_the_other_patterns_still_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = _record_of_run(tmp_path, monkeypatch, _hangs_on_s1, ("R", "S1", "S0"), 5)
     assert record["failed_patterns"] == {"S1": "timeout"}
     assert record["outcomes"] == {"ok": 2, "timeout": 1}
     assert record["cells"] == [{"key": "cell under S0"}]
@@ -144,16 +159,9 @@ def _slow_as_a_whole(keys: list[str], options: Options) -> list[dict]:
 def test_an_opinfo_whose_every_pattern_passes_alone_is_not_listed_as_crashed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import json
-
-    import tools.validate.__main__ as cli
-    from tools.validate.runner import Options
     from tools.validate.table import _crashed
 
-    monkeypatch.setattr(cli, "validate_ops", _slow_as_a_whole)
-    out = tmp_path / "run.jsonl"
-    cli.run(["x"], Options(patterns=("R", "S0")), out, 2, op_timeout=5, pattern_timeout=30)
-    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    record = _record_of_run(tmp_path, monkeypatch, _slow_as_a_whole, ("R", "S0"), 30)
     assert record["outcomes"] == {"ok": 2}
     assert record["failed_patterns"] == {}
     assert record["whole_run"] == "timeout"
