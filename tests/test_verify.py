@@ -333,3 +333,41 @@ def test_verify_judges_every_tensor_an_inplace_foreach_op_writes(pool2: RankPool
             assert "written argument 0[0]" in r["text"], r["text"]
     for r in pool2.run(_foreach_write, True):
         assert r["op"] is None, r
+
+
+def _gradient_kept_on_one_rank(sample: bool) -> dict[str, Any]:
+    """A leaf's gradient hook that keeps the gradient on rank 0 only (logging it there, say).
+    ``AccumulateGrad`` takes a first gradient nobody else holds by ``detach`` and copies one
+    that is held (``new_empty_strided`` + ``copy_``): the ranks run different DTensor ops."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import dtensor_patches as dp
+    from dtensor_patches._torch.dtensors import full_value
+
+    mesh = _mesh()
+    full = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    w = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+    kept: list[torch.Tensor] = []
+    if dist.get_rank() == 0:
+        w.register_hook(lambda grad: kept.append(grad))
+    with dp.verify(raise_on_mismatch=False, sample=sample) as report:
+        (w * w).sum().backward()
+    return {
+        "grad_right": torch.allclose(full_value(w.grad), 2 * full),
+        "mismatches": [str(m) for m in report.mismatches],
+        "kept": len(kept),
+        "calls": sum(report.calls.values()),
+    }
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_verify_lets_ranks_take_a_gradient_differently(sample: bool) -> None:
+    """Whether ``AccumulateGrad`` steals or copies a gradient depends on its reference count,
+    which differs between ranks (a hook on one rank, or garbage not yet collected on one):
+    verify must not pair one rank's exchange for ``detach`` with another's for ``copy_``."""
+    with RankPool(2, timeout=90) as pool:
+        results = pool.run(_gradient_kept_on_one_rank, sample)
+    assert [r["kept"] for r in results] == [1, 0]
+    for r in results:
+        assert r["grad_right"] and r["mismatches"] == [] and r["calls"] > 0, r

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
+    "accumulating_grad",
     "current_autograd_node",
     "current_dispatch_mode",
     "dispatch_mode_class",
@@ -56,6 +57,19 @@ def current_autograd_node() -> Any:
         PatchError: the function moved.
     """
     return attribute(torch._C, "_current_autograd_node", "torch._C._current_autograd_node")()
+
+
+def accumulating_grad() -> bool:
+    """Whether the autograd node running on this thread is an ``AccumulateGrad`` (writing a
+    leaf's ``.grad``). Its first gradient it takes by ``detach`` when no other reference holds
+    it and copies otherwise (``new_empty_strided`` + ``copy_``, or ``clone``): a reference
+    count (``torch/csrc/autograd/functions/accumulate_grad.h``), so ranks may differ.
+
+    Raises:
+        PatchError: ``torch._C._current_autograd_node`` moved.
+    """
+    node = current_autograd_node()
+    return node is not None and node.name() == "torch::autograd::AccumulateGrad"
 
 
 def queue_backward_callback(callback: Any) -> None:
