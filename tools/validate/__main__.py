@@ -92,23 +92,23 @@ def run(
                 record = result
             else:
                 log.warning("%s: %s; one pattern at a time", key, result)
-                parts: list[dict[str, Any]] = []
-                failed: dict[str, str] = {}
-                for pattern in options.patterns if len(options.patterns) > 1 else ():
-                    one = dataclasses.replace(options, patterns=(pattern,))
-                    part = attempt(key, one, pattern_timeout or max(30.0, op_timeout / 3))
-                    if isinstance(part, dict):
-                        parts.append(part)
-                    else:
-                        failed[pattern] = part
-                        log.warning("%s %s: %s", key, pattern, part)
                 if len(options.patterns) > 1:
+                    parts: list[dict[str, Any]] = []
+                    failed: dict[str, str] = {}
+                    for pattern in options.patterns:
+                        one = dataclasses.replace(options, patterns=(pattern,))
+                        part = attempt(key, one, pattern_timeout or max(30.0, op_timeout / 3))
+                        if isinstance(part, dict):
+                            parts.append(part)
+                        else:
+                            failed[pattern] = part
+                            log.warning("%s %s: %s", key, pattern, part)
                     # Every pattern alone may pass: the whole run only outlasted op_timeout
                     # on a loaded host, and the OpInfo is validated in full.
                     record = _merge(key, parts, failed)
                     record["whole_run"] = result
                 else:
-                    record = _merge(key, parts, {"*": result})
+                    record = _merge(key, [], {"*": result})
             with out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             log.info(
