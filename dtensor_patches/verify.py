@@ -474,6 +474,7 @@ def _mode_class() -> type:
             if not checker.active:
                 return func(*args, **kwargs)
             if func.__name__.split(".")[0] in _GRAD_TAKING and accumulating_grad():
+                checker.report.calls[str(func)] += 1
                 checker.report.unchecked[f"gradient taken by AccumulateGrad: {func}"] += 1
                 return func(*args, **kwargs)
             if checker.fraction is not None:

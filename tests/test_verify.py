@@ -358,6 +358,8 @@ def _gradient_kept_on_one_rank(sample: bool) -> dict[str, Any]:
         "mismatches": [str(m) for m in report.mismatches],
         "kept": len(kept),
         "calls": sum(report.calls.values()),
+        "checked": report.checked,
+        "taken": sum(n for k, n in report.unchecked.items() if "AccumulateGrad" in k),
     }
 
 
@@ -370,4 +372,8 @@ def test_verify_lets_ranks_take_a_gradient_differently(sample: bool) -> None:
         results = pool.run(_gradient_kept_on_one_rank, sample)
     assert [r["kept"] for r in results] == [1, 0]
     for r in results:
-        assert r["grad_right"] and r["mismatches"] == [] and r["calls"] > 0, r
+        assert r["grad_right"] and r["mismatches"] == [] and r["checked"] > 0, r
+    # Rank 0 copies the held gradient (new_empty_strided + copy_); rank 1 takes it by detach
+    # (measured on 2.11 and 2.13; on 2.9 another reference to a DTensor's gradient is held
+    # there too, and both ranks copy).
+    assert results[0]["taken"] == 2 and results[1]["taken"] in (1, 2), results
