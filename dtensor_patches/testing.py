@@ -20,7 +20,7 @@ import sys
 import tempfile
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
@@ -160,9 +160,12 @@ class RankPool:
             raises the start-up errors below.
         quiet: record the warnings the ranks raise while starting (``startup_warnings``, one
             ``"Category: message"`` per warning) instead of printing them.
+        hash_seeds: each rank's ``PYTHONHASHSEED`` (one per rank). Default: inherited from
+            this process; where it is unset, every rank draws its own, as under ``torchrun``.
+            Seeds that differ on purpose show what depends on the order of a set or a dict.
 
     Raises:
-        ValueError: ``world_size < 1``.
+        ValueError: ``world_size < 1``, or ``hash_seeds`` not one per rank.
         RankError: a rank failed to join the process group.
         TimeoutError: the ranks did not answer within ``timeout``.
     """
@@ -177,9 +180,12 @@ class RankPool:
         startup_timeout: float | None = None,
         wait: bool = True,
         quiet: bool = False,
+        hash_seeds: Sequence[int] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if hash_seeds is not None and len(hash_seeds) != world_size:
+            raise ValueError(f"hash_seeds: {len(hash_seeds)} seeds for {world_size} ranks")
         self.world_size = world_size
         self.timeout = timeout
         self.startup_timeout = startup_timeout
@@ -207,7 +213,19 @@ class RankPool:
                 daemon=True,
                 name=f"rank{rank}",
             )
-            proc.start()
+            # The seed is read when the interpreter starts: the spawned process inherits it
+            # from this process's environment, set only around the start.
+            inherited = os.environ.get("PYTHONHASHSEED")
+            if hash_seeds is not None:
+                os.environ["PYTHONHASHSEED"] = str(hash_seeds[rank])
+            try:
+                proc.start()
+            finally:
+                if hash_seeds is not None:
+                    if inherited is None:
+                        del os.environ["PYTHONHASHSEED"]
+                    else:
+                        os.environ["PYTHONHASHSEED"] = inherited
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)

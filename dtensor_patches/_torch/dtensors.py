@@ -40,6 +40,7 @@ __all__ = [
     "local_shape_and_offset_function",
     "local_tensor",
     "make_dtensor",
+    "mask_partial_owner",
     "module_parameters",
     "norm_partial_class",
     "relabel",
@@ -343,6 +344,17 @@ def mask_partial_class() -> type:
         "torch.distributed.tensor.placement_types._MaskPartial",
         "looked in " + ", ".join(f"{m}.{n}" for m, n in _MASK_PARTIAL_SITES),
     )
+
+
+def mask_partial_owner() -> str:
+    """Where :func:`mask_partial_class` is defined, as ``module:Class`` (an owner for
+    :class:`dtensor_patches.patch.WrappedFunction`).
+
+    Raises:
+        PatchError: none of the known locations has it.
+    """
+    cls = mask_partial_class()
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def is_mask_partial(placement: Placement) -> bool:

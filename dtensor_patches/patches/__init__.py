@@ -16,7 +16,8 @@ together. The families:
 - ``validated``: the cells torch's own strategies get wrong, measured by ``tools/validate``
   and routed by data, one patch per op family (``wrong_cells_<family>``);
 - ``edges``: where DTensors meet plain tensors (full state dicts loaded into DTensor
-  parameters) and local tensors become DTensors (``from_local`` of uneven shards).
+  parameters) and local tensors become DTensors (``from_local`` of uneven shards);
+- ``propagation``: how torch decides placements for any op (every rank the same decision).
 
 The order matters where two patches own entries of one op: the later one is on top.
 """
@@ -66,6 +67,7 @@ from dtensor_patches.patches.pointwise import (
     partial_divisor,
     partial_int_cast,
 )
+from dtensor_patches.patches.propagation import ranks_decide_alike
 from dtensor_patches.patches.reductions import (
     all_any_dims,
     all_over_shards,
@@ -219,6 +221,7 @@ BUILTIN_PATCHES: tuple[Patch, ...] = _in_order(
         uneven_gather_layout.PATCH,
         empty_shard_padding.PATCH,
         mesh_in_lists.PATCH,
+        ranks_decide_alike.PATCH,
         # Last: the validator's routed cells are those the patches above leave wrong, and an
         # op's own rule (a hand-written fix) is consulted before any any-op rule.
         *wrong_cells.PATCHES,

@@ -56,13 +56,16 @@ def run(
     world_size: int,
     op_timeout: float,
     pattern_timeout: float | None = None,
+    hash_seeds: tuple[int, ...] | None = None,
 ) -> None:
     """Validate ``keys`` on a pool of long-lived ranks, appending one JSON line per OpInfo to
     ``out`` (an OpInfo already there is not run again: a run resumes where it stopped). When
     an OpInfo's ranks hang or die, the ranks are restarted and its placement patterns run one
     at a time: the record names the patterns that hang (``failed_patterns``) and keeps what
     the others found, instead of losing the whole OpInfo to one hanging pattern (each pattern
-    gets ``pattern_timeout`` s, default a third of ``op_timeout`` and at least 30)."""
+    gets ``pattern_timeout`` s, default a third of ``op_timeout`` and at least 30).
+    ``hash_seeds``: each rank's ``PYTHONHASHSEED`` (default: inherited, each rank its own where
+    unset), to find the decisions that follow set order and differ between ranks."""
     from dtensor_patches.testing import STARTUP_TIMEOUT, RankPool
 
     done = _done(out)
@@ -75,7 +78,12 @@ def run(
         if pool is None:
             # Start-up (every rank importing torch) is not the op's time: on a loaded machine
             # it can take longer than a short op timeout, which would then blame the op.
-            pool = RankPool(world_size, timeout=timeout, startup_timeout=STARTUP_TIMEOUT)
+            pool = RankPool(
+                world_size,
+                timeout=timeout,
+                startup_timeout=STARTUP_TIMEOUT,
+                hash_seeds=hash_seeds,
+            )
         pool.timeout = timeout
         try:
             return pool.run(validate_ops, [key], opts)[0][0]
@@ -154,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         "wrong result, or whose ranks crashed or hung",
     )
     parser.add_argument("--op-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--hash-seeds",
+        help="comma-separated PYTHONHASHSEED per rank, e.g. 0,7,7,0 (ranks seeded apart, as "
+        "under torchrun; default: inherited)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -177,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             if r["cells"] or r["unattributed"] or {"crash", "timeout"} & set(r["outcomes"])
         }
         keys = [k for k in keys if k in found]
-    run(keys, options, args.out, world_size, args.op_timeout)
+    seeds = tuple(int(s) for s in args.hash_seeds.split(",")) if args.hash_seeds else None
+    if seeds is not None and len(seeds) != world_size:
+        parser.error(f"--hash-seeds: {len(seeds)} seeds for {world_size} ranks")
+    run(keys, options, args.out, world_size, args.op_timeout, hash_seeds=seeds)
     return 0
 
 
