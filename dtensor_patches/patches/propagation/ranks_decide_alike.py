@@ -24,6 +24,7 @@ propagation cache key is hashed once per spec); no op's dispatch changes.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -94,52 +95,75 @@ def _registrations() -> list[WrappedFunction]:
 SEEDS = (0, 7)
 
 _CHILD = """
-import sys
+import json, sys
 if sys.argv[1] == "1":
     import dtensor_patches
     dtensor_patches.apply_all(only=["ranks_decide_alike"], fallback="off")
 from torch.distributed.tensor import Partial, Replicate, Shard
-placements = [Replicate(), Shard(0), Shard(1)] + [Partial(op) for op in ("sum", "avg", "max", "min")]
-print(repr([repr(p) for p in set(placements)]), [hash(p) for p in placements[3:]])
+partials = [Partial(op) for op in ("sum", "avg", "max", "min")]
+placements = [Replicate(), Shard(0), Shard(1), *partials]
+print(json.dumps({"order": [repr(p) for p in set(placements)], "hashes": [hash(p) for p in partials]}))
 """
 
 
-def _placement_order(seed: int, patched: bool) -> str:
-    env = dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, "1" if patched else "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"a child interpreter (PYTHONHASHSEED={seed}) failed: {tail}")
-    return done.stdout.strip().splitlines()[-1]
+def _children_answers(patched: bool) -> list[dict[str, Any]]:
+    """What the :data:`_CHILD` interpreters, one per seed of :data:`SEEDS`, print (run side by
+    side).
+
+    Raises:
+        RuntimeError: an interpreter failed or gave no answer.
+    """
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, "1" if patched else "0"],
+            env=dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=os.pathsep.join(sys.path)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in SEEDS
+    ]
+    answers = []
+    for seed, proc in zip(SEEDS, procs, strict=True):
+        out, err = proc.communicate(timeout=300)
+        if proc.returncode != 0 or not out.strip():
+            tail = (err.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"an interpreter with PYTHONHASHSEED={seed} failed: {tail}")
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    return answers
 
 
 def reproduce(mesh: Any) -> str | None:
     """Two interpreters with the hash seeds of :data:`SEEDS` (as two ranks under ``torchrun``
-    may draw) list one set of placements and hash ``Partial`` placements: the same order and
-    hashes in both, or the decisions that follow set order can differ between ranks. Rank 0
-    runs them (with this patch applied in them where it is applied here) and tells the
-    others, so every rank returns the same."""
+    may draw) hash four ``Partial`` placements and list a set of placements: the same in both,
+    or the decisions that follow set order can differ between ranks. Rank 0 runs them (with
+    this patch applied in them where it is applied here) and tells the others, so every rank
+    returns the same (and raises the same where an interpreter failed)."""
     import torch.distributed as dist
     from torch.distributed.tensor import Partial
 
-    verdict: list[str | None] = [None]
+    verdict: list[tuple[str, str] | None] = [None]
     if dist.get_rank() == 0:
         patched = bool(getattr(Partial.__hash__, "seed_independent", False))
-        first, second = (_placement_order(seed, patched) for seed in SEEDS)
-        if first != second:
-            verdict[0] = (
-                f"a set of placements and Partial hashes, PYTHONHASHSEED={SEEDS[0]}: {first}; "
-                f"PYTHONHASHSEED={SEEDS[1]}: {second}"
-            )
+        try:
+            first, second = _children_answers(patched)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired, ValueError) as exc:
+            verdict[0] = ("error", str(exc))
+        else:
+            if first != second:
+                what = "hashes" if first["hashes"] != second["hashes"] else "set order"
+                verdict[0] = (
+                    "bug",
+                    f"Partial placements differ in {what} between interpreters seeded "
+                    f"{SEEDS[0]} and {SEEDS[1]}: {first['order']} vs {second['order']}",
+                )
     dist.broadcast_object_list(verdict, src=0)
-    return verdict[0]
+    if verdict[0] is None:
+        return None
+    kind, message = verdict[0]
+    if kind == "error":
+        raise RuntimeError(message)
+    return message
 
 
 PATCH = Patch(
