@@ -101,12 +101,14 @@ def replays(
     *,
     timeout: float = 150.0,
     call_timeout: float = 60.0,
+    hash_seeds: tuple[int, ...] | None = None,
 ) -> dict[str, str | None]:
     """:func:`replay_on_rank` on a fresh pool (fresh: the patches are built from the data file
     as it is now) of 2 ranks, or of ``mesh_shape``'s; a cell counts as wrong if any rank saw
     it wrong. When the ranks hang or die (a call that hangs on stock torch: some ranks raise
     while the others wait in a collective), the calls are replayed one at a time on pools
-    restarted after each such call, and a call that hangs alone is wrong ("hangs")."""
+    restarted after each such call, and a call that hangs alone is wrong ("hangs").
+    ``hash_seeds``: the ranks' ``PYTHONHASHSEED``, as the run that found the calls had them."""
     import math
 
     from dtensor_patches.testing import STARTUP_TIMEOUT, RankPool
@@ -119,7 +121,7 @@ def replays(
         return {key: next((r[key] for r in results if r[key] is not None), None) for key in keys}
 
     try:
-        with RankPool(world, timeout=timeout) as pool:
+        with RankPool(world, timeout=timeout, hash_seeds=hash_seeds) as pool:
             return merged(pool.run(replay_on_rank, calls, setting, mesh_shape), calls)
     except Exception:  # noqa: BLE001 - a hang or a dead rank: find the call, one at a time
         pass
@@ -128,7 +130,12 @@ def replays(
     try:
         for key, call in calls.items():
             if pool is None:
-                pool = RankPool(world, timeout=call_timeout, startup_timeout=STARTUP_TIMEOUT)
+                pool = RankPool(
+                    world,
+                    timeout=call_timeout,
+                    startup_timeout=STARTUP_TIMEOUT,
+                    hash_seeds=hash_seeds,
+                )
             try:
                 out.update(
                     merged(pool.run(replay_on_rank, {key: call}, setting, mesh_shape), [key])
@@ -151,6 +158,7 @@ def release_entry(
     *,
     replay: bool = True,
     mesh_shape: tuple[int, ...] = (),
+    hash_seeds: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """The table entry of one release from its three runs.
 
@@ -163,12 +171,14 @@ def release_entry(
     patched_cells = _cells(patched)
     final_cells = _cells(final)
     calls = {k: c["call"] for k, c in stock_cells.items() if c.get("call")}
-    on_stock = replays(calls, "stock", mesh_shape) if replay else {}
+    on_stock = replays(calls, "stock", mesh_shape, hash_seeds=hash_seeds) if replay else {}
     # A call that hangs alone on stock torch is a bug, but no tripwire can replay a hang: it
     # is listed, not routed (what apply_all() makes of it is in the final run).
     hangs = {k for k, v in on_stock.items() if v is not None and v.startswith("hangs")}
     confirmed = {k: calls[k] for k in calls if on_stock.get(k) is not None and k not in hangs}
-    with_patches = replays(confirmed, "patches", mesh_shape) if replay else {}
+    with_patches = (
+        replays(confirmed, "patches", mesh_shape, hash_seeds=hash_seeds) if replay else {}
+    )
     cells = []
     for key, cell in sorted(stock_cells.items()):
         alone = key in confirmed
@@ -464,7 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         "--mesh",
         help="the runs were on this 2-D mesh (2x2): their entry goes under data['meshes']",
     )
+    parser.add_argument(
+        "--hash-seeds",
+        help="the runs' --hash-seeds (each rank's PYTHONHASHSEED): replays use them too",
+    )
     args = parser.parse_args(argv)
+    seeds = tuple(int(s) for s in args.hash_seeds.split(",")) if args.hash_seeds else None
     from packaging.version import Version
 
     data = json.loads(args.data.read_text()) if args.data.exists() else {"releases": {}}
@@ -479,7 +494,12 @@ def main(argv: list[str] | None = None) -> int:
         release = f"{version.major}.{version.minor}"
         stock = _read(args.stock)
         entry = release_entry(
-            args.torch, stock, _read(args.patched), _read(args.final), mesh_shape=mesh_shape
+            args.torch,
+            stock,
+            _read(args.patched),
+            _read(args.final),
+            mesh_shape=mesh_shape,
+            hash_seeds=seeds,
         )
         old = entries.get(release)
         if args.merge and old is not None:
@@ -490,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         # Now that the data routes them, each routed cell replayed alone with everything on.
         entry = entries[f"{version.major}.{version.minor}"]
         routed = {c["key"]: c["call"] for c in entry["cells"] if c["routed"]}
-        after = replays(routed, "all", mesh_shape)
+        after = replays(routed, "all", mesh_shape, hash_seeds=seeds)
         entry["routed_after_apply_all"] = sorted(
             k for k, v in after.items() if v is not None and not v.startswith("raises")
         )
