@@ -99,8 +99,8 @@ def run(
             if isinstance(result, dict):
                 record = result
             else:
-                log.warning("%s: %s; one pattern at a time", key, result)
                 if len(options.patterns) > 1:
+                    log.warning("%s: %s; one pattern at a time", key, result)
                     parts: list[dict[str, Any]] = []
                     failed: dict[str, str] = {}
                     for pattern in options.patterns:
@@ -116,6 +116,7 @@ def run(
                     record = _merge(key, parts, failed)
                     record["whole_run"] = result
                 else:
+                    log.warning("%s: %s", key, result)
                     record = _merge(key, [], {"*": result})
             with out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
