@@ -37,9 +37,12 @@ def _registrations() -> list[Strategy]:
 
 
 # The tripwire's cases: The reductions above on ``Shard(0)``/``Shard(1)`` inputs vs single-device results.
+# Sizes that leave no rank an empty shard on 2 or 4 ranks (7 rows: 4 + 3, 2 + 2 + 2 + 1): an
+# empty shard hits another stock bug (empty_shard_extrema) whose raise on one rank aborts the
+# whole run where this patch is gated out.
 CASES = [
-    Case("x.argmax(1)", lambda x: x.argmax(1), lambda: [randn(4, 6)], ["S1"]),
-    Case("x.argmin(0)", lambda x: x.argmin(0), lambda: [randn(5, 6)], ["S0"]),
+    Case("x.argmax(1)", lambda x: x.argmax(1), lambda: [randn(4, 8)], ["S1"]),
+    Case("x.argmin(0)", lambda x: x.argmin(0), lambda: [randn(7, 6)], ["S0"]),
     Case("logsumexp(x, 1)", lambda x: torch.logsumexp(x, 1), lambda: [randn(4, 6)], ["S0"]),
     Case("logsumexp(x, 1)", lambda x: torch.logsumexp(x, 1, True), lambda: [randn(4, 6)], ["S1"]),
     Case("x.std(1)", lambda x: x.std(1), lambda: [randn(4, 6)], ["S1"]),
