@@ -249,6 +249,35 @@ def test_inplace_view_that_moves_data_is_clear_or_right(pool2: RankPool) -> None
         assert row["shape"] == row["full"] == (3, 1, 2), row
 
 
+def _squeeze_of_sharded_size_one_dim(layout: list[str]) -> dict[str, Any]:
+    import dtensor_patches
+    from dtensor_patches.testing import grid_mesh
+
+    mesh = grid_mesh((2, 2))
+    full = torch.randn(5, 1, 5, 1, generator=torch.Generator().manual_seed(0))
+    with dtensor_patches.patched():
+        x = _place(full, mesh, layout)
+        before = x.to_local().clone()
+        try:
+            x.squeeze_()
+            error = None
+        except RuntimeError as exc:  # PatchError is one
+            error = f"{type(exc).__name__}: {exc}"
+        unchanged = tuple(x.shape) == (5, 1, 5, 1) and torch.equal(x.to_local(), before)
+        right = error is None and torch.equal(x.full_tensor(), full.squeeze())
+        return {"error": error, "unchanged": unchanged, "right": right}
+
+
+@pytest.mark.parametrize("layout", [["R", "S3"], ["S0", "S1"]], ids=["R/S3", "S0/S1"])
+def test_squeeze_of_a_sharded_size_one_dim_on_2d_mesh(pool4: RankPool, layout: list[str]) -> None:
+    """A size-1 dim sharded over a mesh dim leaves some ranks its values and others an empty
+    shard, so squeezing it in place would need the ranks to exchange values: right, or a
+    clear error that leaves ``x`` as it was (2.12 corrupted the spec silently: the local
+    tensor kept the size-1 dims; validated on 2x2)."""
+    for row in pool4.run(_squeeze_of_sharded_size_one_dim, layout):
+        assert row["right"] or (row["error"] and row["unchanged"]), row
+
+
 def _argmax_1d(n: int) -> dict[str, Any]:
     import dtensor_patches
 

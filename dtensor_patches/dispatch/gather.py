@@ -238,11 +238,21 @@ def _write_back(
     targets = [(t, c) for t, c in targets if isinstance(t, dtensor)]
     for target, copy in targets:
         if tuple(copy.shape) != tuple(target.shape):
+            change = f"({list(target.shape)} -> {list(copy.shape)})"
+            if torch.Tag.inplace_view in getattr(op, "tags", ()):
+                # squeeze_ and friends may reshape a DTensor in place, but only where each
+                # rank's shard follows alone: not a sharded size-1 dim squeezed away, whose
+                # values only some ranks hold.
+                raise PatchError(
+                    f"{op} reshapes a DTensor in place {change} in a way its shards cannot "
+                    f"follow ({target.placements}: a dim it removes or moves is sharded, so "
+                    "ranks would need each other's values, which an in-place view cannot "
+                    "move); use the out-of-place op"
+                ) from error
             # resize_ and friends: a DTensor's global shape cannot change in place.
             raise PatchError(
                 f"{op} changes the shape of the DTensor it writes in place "
-                f"({list(target.shape)} -> {list(copy.shape)}): a DTensor's shape "
-                "cannot change in place; use the out-of-place op"
+                f"{change}: a DTensor's shape cannot change in place; use the out-of-place op"
             ) from error
     _check_plain_targets(op, mesh, plain, error)
     shards = [
