@@ -64,7 +64,9 @@ def _experts_layer(experts: int, dtype_name: str) -> dict[str, Any]:
             out = _grouped_mm(h, ddown, doffs)
             inner = comm.get_total_counts()
         out_full = out.full_tensor()
-        grads = torch.autograd.grad((out.redistribute(mesh, rep).float() ** 2).sum(), [dx, dup, ddown])
+        grads = torch.autograd.grad(
+            (out.redistribute(mesh, rep).float() ** 2).sum(), [dx, dup, ddown]
+        )
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     return {
         "out": float((out_full - ref).abs().max() / ref.abs().max()),
@@ -178,6 +180,15 @@ def test_colwise_rowwise_experts(pool2: RankPool, dtype: str) -> None:
             # replicate shards whose rows are not 16-byte aligned)
             assert r["out_placements"] == "(Partial(sum),)"
             assert r["placements"] == ["(Shard(dim=2),)", "(Shard(dim=1),)"]
+
+
+def test_colwise_rowwise_experts_narrower_than_16_bytes(pool4: RankPool) -> None:
+    """On 4 ranks each rank holds 2 float32 columns of ``up`` and 2 rows of ``down``: rows of
+    8 bytes, which the grouped-matmul kernel refuses ("strides should be multiple of 16
+    bytes") unless the shards are padded first."""
+    for r in pool4.run(_colwise_rowwise, "float32"):
+        assert r["out"] < 1e-4 and max(r["grads"]) < 1e-4, r
+        assert r["placements"] == ["(Shard(dim=2),)", "(Shard(dim=1),)"], r
 
 
 def test_replicated_grouped_call_stays_replicated(pool2: RankPool) -> None:

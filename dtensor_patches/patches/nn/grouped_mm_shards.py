@@ -28,7 +28,10 @@ share is zero elsewhere, and where it is not the tensor is summed first. Other l
 column-wise ``Shard`` of ``N``, row-wise ``Shard`` of ``K`` (``Partial`` output; a replicated
 operand is cut to the matching block first, no collective), batch ``Shard(0)``, ``Partial``
 times ``Replicate``. A layout outside the table, or a bfloat16 call in a layout torch serves
-itself, keeps torch's decision.
+itself, keeps torch's decision. A shard whose rows are shorter than the 16 bytes the kernels
+require for every stride (2 float32 columns of an expert on 4 TP ranks: "strides should be
+multiple of 16 bytes") is padded with zeros to the next 16 bytes for the kernel and the
+padding cut off its output (a copy, only for such shards).
 
 Per mesh dim (``x`` = mat1, ``w`` = mat2, ``offs`` replicated):
 
@@ -255,7 +258,7 @@ def _run(plan: list[tuple[str, Slice]]) -> Any:
             codes[m] = EXPERTS if expert else ("P" if partial else "R")
         placements = [_placement(c, nd2) for c in codes]
         if EXPERTS not in codes:
-            local = op_call(x, w, offs_local, **extra)
+            local = _kernel(op_call, x, w, offs_local, extra)
             return sharded_result(local, mesh, placements, shape)
         m = codes.index(EXPERTS)
         if nd2 == 3:  # forward and input gradient: this rank's experts' rows
@@ -333,7 +336,7 @@ def _expert_rows(
     start, end = rows
     if count and end > start:
         local_offs = (offs[first : first + count] - start).to(torch.int32)
-        out[start:end] = op_call(_aligned(x[start:end]), w, local_offs, **extra)
+        out[start:end] = _kernel(op_call, _aligned(x[start:end]), w, local_offs, extra)
     return out
 
 
@@ -355,7 +358,31 @@ def _expert_blocks(
     if not count:
         return xt.new_zeros((0, xt.shape[0], g.shape[1]), dtype=dtype)
     local_offs = (offs[first : first + count] - start).to(torch.int32)
-    return op_call(_aligned(xt[:, start:end]), _aligned(g[start:end]), local_offs, **extra)
+    return _kernel(op_call, _aligned(xt[:, start:end]), _aligned(g[start:end]), local_offs, extra)
+
+
+def _kernel(
+    op_call: Any, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, extra: dict[str, Any]
+) -> torch.Tensor:
+    """``op_call(a, b, offs)``, with the operands padded where a stride is not a multiple of
+    the 16 bytes the grouped-matmul kernels require ("strides should be multiple of 16
+    bytes"): a TP shard can be narrower than that (2 float32 columns of an expert on 4 ranks).
+    ``a``'s last dim (the contraction, or the grouped token dim of ``[K, S] x [S, N]``) and
+    ``b``'s matching dim -2 get zeros, which add nothing; ``b``'s last dim gets zeros, whose
+    output columns are cut off. Aligned operands run as they are (no copy)."""
+    step = max(1, 16 // a.element_size())
+
+    def misaligned(t: torch.Tensor) -> bool:
+        return any(s % step for s, n in zip(t.stride(), t.shape, strict=True) if s != 1 and n > 1)
+
+    if not (misaligned(a) or misaligned(b)):
+        return op_call(a, b, offs, **extra)
+    inner, columns = a.shape[-1], b.shape[-1]
+    inner_pad, columns_pad = -inner % step, -columns % step
+    a = torch.nn.functional.pad(a, (0, inner_pad)).contiguous()
+    b = torch.nn.functional.pad(b, (0, columns_pad, 0, inner_pad)).contiguous()
+    out = op_call(a, b, offs, **extra)
+    return out[..., :columns] if columns_pad else out
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
