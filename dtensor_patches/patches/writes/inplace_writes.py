@@ -567,8 +567,7 @@ def _foreach_scale_of_sum(x: torch.Tensor) -> torch.Tensor:
     return p
 
 
-# The tripwire's cases: Partial targets (views of them too), ``fill_.Tensor``. 7 rows: no rank
-# of 4 gets an empty shard, whose extremum raises on it alone on stock torch (others wait).
+# The tripwire's cases: Partial targets (and views), ``fill_.Tensor``; 7 rows: no empty shard.
 CASES = [
     Case("vector_norm(x) += 2", _norm_plus_two, lambda: [randn(5, 6)], ["S0"]),
     Case("x.sum(0).clamp_(min=0.5)", _sum_then_clamp, lambda: [randn(5, 6)], ["S0"]),
