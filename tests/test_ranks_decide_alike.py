@@ -2,10 +2,11 @@
 one sharding decision with ``apply_all()``: ``torch.vdot`` of operands pending on a mesh dim,
 on a 2x2 mesh and on a 1-D mesh of 4, gives the single-device value on every release.
 
-The ranks here get seeds 0, 7, 7, 0 (every mesh dim group of a 2x2 mesh holds both): on stock 2.14.1 and 2.15.0 a process seeded 7
-reduces the other ``vdot`` operand than one seeded 0, so without ``ranks_decide_alike`` the
-ranks' shares do not add up to the product (measured: wrong there, right on 2.11 to 2.13,
-where no tie follows set order for ``vdot``)."""
+The ranks here get seeds 0, 7, 7, 0 (every mesh dim group of a 2x2 mesh holds both): on stock
+2.14.1 and 2.15.0 a process seeded 7 reduces the other ``vdot`` operand than one seeded 0, so
+without ``ranks_decide_alike`` the ranks' shares do not add up to the product (measured: wrong
+there, right on 2.11 to 2.13, where no tie follows set order for ``vdot``; 2.9 and 2.10 have
+no strategy for it, and the fallback computes it)."""
 
 from __future__ import annotations
 
