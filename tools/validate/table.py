@@ -348,9 +348,9 @@ def render(data: dict[str, Any]) -> str:
             "anything, and that release's own 1-D findings where they are few (on 2.12.0 and",
             "2.14.1: every OpInfo where a 2x2 run of another release found anything and 28 of",
             "the common training ops, `conv_transpose1d` left out: it hangs on nearly every",
-            "pattern on stock torch); on",
+            "pattern on stock torch); measured on",
             f"{', '.join(mesh['releases'][r].get('torch', r) for r in _by_release(mesh.get('releases', {})))}"
-            " so far (2026-12-06 and -07). The 2.14.1 runs and 2.15.0's `vdot` run again had",
+            " (2026-12-06 and -07). The 2.14.1 runs and 2.15.0's `vdot` run again had",
             "ranks seeded 0, 7, 7, 0 (`--hash-seeds`), so that decisions taken in set order",
             "differ between ranks on stock torch (`ranks_decide_alike`); the others let each",
             "rank draw its own seed.",
