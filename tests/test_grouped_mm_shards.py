@@ -193,3 +193,31 @@ def test_colwise_rowwise_experts_narrower_than_16_bytes(pool4: RankPool) -> None
 
 def test_replicated_grouped_call_stays_replicated(pool2: RankPool) -> None:
     assert pool2.run(_replicated_outer_products) == ["(Replicate(),)"] * 2
+
+
+def _tokens_off_the_16_byte_boundary() -> float:
+    """Tokens that are a view starting 4 bytes into their storage (a slice of a larger buffer)
+    by expert-sharded weights, forward and the weight gradient: CUDA's grouped-matmul kernels
+    need 16-byte-aligned data, so the patch copies such operands; the copy must not change the
+    result."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = _mesh()
+    x, offs = _tokens(4, 12, torch.float32)
+    w = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    buffer = torch.cat([torch.zeros(1), x.flatten()])
+    shifted = buffer[1:].view_as(x)
+    assert shifted.data_ptr() % 16 != 0
+    ref = _grouped_mm(x, w, offs)
+    (ref_grad,) = torch.autograd.grad((ref**2).sum(), [w])
+    with patched():
+        dx = DTensor.from_local(shifted, mesh, [Replicate()], run_check=False)
+        dw = distribute_tensor(w.detach(), mesh, [Shard(0)]).requires_grad_()
+        out = _grouped_mm(dx, dw, distribute_tensor(offs, mesh, [Replicate()]))
+        (grad,) = torch.autograd.grad((out.redistribute(mesh, [Replicate()]) ** 2).sum(), [dw])
+        got = out.full_tensor()
+    return max(float((got - ref).abs().max()), float((grad.full_tensor() - ref_grad).abs().max()))
+
+
+def test_tokens_off_the_16_byte_boundary(pool2: RankPool) -> None:
+    assert max(pool2.run(_tokens_off_the_16_byte_boundary)) < 1e-4

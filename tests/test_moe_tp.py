@@ -84,7 +84,9 @@ def _parallelize(model: Any, mesh: Any) -> None:
                 "self_attn.q_proj": ColwiseParallel(),
                 "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                "self_attn.o_proj": RowwiseParallel(
+                    output_layouts=Shard(1), use_local_output=False
+                ),
                 "post_attention_layernorm": SequenceParallel(),
                 "mlp": PrepareModuleInput(
                     input_layouts=(Shard(1),),
@@ -97,7 +99,9 @@ def _parallelize(model: Any, mesh: Any) -> None:
             layer.mlp,
             mesh,
             PrepareModuleOutput(
-                output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=False
+                output_layouts=(Partial(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=False,
             ),
         )
         experts = layer.mlp.experts
@@ -105,9 +109,13 @@ def _parallelize(model: Any, mesh: Any) -> None:
             weight = getattr(experts, name).data
             setattr(experts, name, torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)])))
         router = layer.mlp.gate
-        router.weight = torch.nn.Parameter(distribute_tensor(router.weight.data, mesh, [Replicate()]))
+        router.weight = torch.nn.Parameter(
+            distribute_tensor(router.weight.data, mesh, [Replicate()])
+        )
     parallelize_module(
-        model, mesh, {"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        model,
+        mesh,
+        {"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())},
     )
 
 
@@ -128,7 +136,9 @@ def _moe_step(implementation: str) -> dict[str, Any]:
             loss = model(ids, labels=ids).loss
             loss.backward()
     errors = {}
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         if "q_norm" in name or "k_norm" in name:  # plain weights on local heads: sum over TP
             grad = grad.clone()

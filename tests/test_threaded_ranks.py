@@ -38,7 +38,9 @@ class ThreadedRanksUnderPatches(DTensorOpTestBase):
         dtensor_patches.revert_all()
 
     @pytest.mark.xfail(
-        _VIEW_WRITES_LOST, reason="x[1:3] = v through a redistributed view is lost here", strict=True
+        _VIEW_WRITES_LOST,
+        reason="x[1:3] = v through a redistributed view is lost here",
+        strict=True,
     )
     def test_select_slices_and_inplace_writes(self) -> None:
         mesh = init_device_mesh("cpu", (self.world_size,))

@@ -336,7 +336,7 @@ def _expert_rows(
     start, end = rows
     if count and end > start:
         local_offs = (offs[first : first + count] - start).to(torch.int32)
-        out[start:end] = _kernel(op_call, _aligned(x[start:end]), w, local_offs, extra)
+        out[start:end] = _kernel(op_call, x[start:end], w, local_offs, extra)
     return out
 
 
@@ -358,36 +358,41 @@ def _expert_blocks(
     if not count:
         return xt.new_zeros((0, xt.shape[0], g.shape[1]), dtype=dtype)
     local_offs = (offs[first : first + count] - start).to(torch.int32)
-    return _kernel(op_call, _aligned(xt[:, start:end]), _aligned(g[start:end]), local_offs, extra)
+    return _kernel(op_call, xt[:, start:end], g[start:end], local_offs, extra)
 
 
 def _kernel(
     op_call: Any, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, extra: dict[str, Any]
 ) -> torch.Tensor:
-    """``op_call(a, b, offs)``, with the operands padded where a stride is not a multiple of
-    the 16 bytes the grouped-matmul kernels require ("strides should be multiple of 16
-    bytes"): a TP shard can be narrower than that (2 float32 columns of an expert on 4 ranks).
-    ``a``'s last dim (the contraction, or the grouped token dim of ``[K, S] x [S, N]``) and
-    ``b``'s matching dim -2 get zeros, which add nothing; ``b``'s last dim gets zeros, whose
-    output columns are cut off. Aligned operands run as they are (no copy)."""
+    """``op_call(a, b, offs)`` on operands laid out as the grouped-matmul kernels require: data
+    on a 16-byte boundary and every stride a multiple of 16 bytes ("strides should be multiple
+    of 16 bytes"). A row slice of an expert's tokens can start off the boundary, and a TP shard
+    can be narrower than 16 bytes (2 float32 columns of an expert on 4 ranks). Such operands
+    are copied into fresh zero-padded buffers: ``a``'s last dim (the contraction, or the grouped
+    token dim of ``[K, S] x [S, N]``) and ``b``'s matching dim -2 get zeros, which add nothing;
+    ``b``'s last dim gets zeros, whose output columns are cut off. Operands already laid out so
+    run as they are (no copy)."""
     step = max(1, 16 // a.element_size())
 
     def misaligned(t: torch.Tensor) -> bool:
+        if t.data_ptr() % 16:
+            return True
         return any(s % step for s, n in zip(t.stride(), t.shape, strict=True) if s != 1 and n > 1)
 
     if not (misaligned(a) or misaligned(b)):
         return op_call(a, b, offs, **extra)
-    inner, columns = a.shape[-1], b.shape[-1]
-    inner_pad, columns_pad = -inner % step, -columns % step
-    a = torch.nn.functional.pad(a, (0, inner_pad)).contiguous()
-    b = torch.nn.functional.pad(b, (0, columns_pad, 0, inner_pad)).contiguous()
-    out = op_call(a, b, offs, **extra)
+    columns = b.shape[-1]
+    inner_pad, columns_pad = -a.shape[-1] % step, -columns % step
+    out = op_call(_padded(a, 0, inner_pad), _padded(b, inner_pad, columns_pad), offs, **extra)
     return out[..., :columns] if columns_pad else out
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, copied when a row slice left its data off the 16-byte alignment the kernels need."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+def _padded(t: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A fresh contiguous copy of ``t`` with ``rows`` zero rows (dim -2) and ``columns`` zero
+    columns (dim -1) added at the end; the allocator places it on a 16-byte boundary."""
+    out = t.new_zeros((*t.shape[:-2], t.shape[-2] + rows, t.shape[-1] + columns))
+    out[..., : t.shape[-2], : t.shape[-1]] = t
+    return out
 
 
 def _registrations() -> list[MissRule]:
