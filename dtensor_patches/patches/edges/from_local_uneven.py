@@ -322,8 +322,8 @@ def _registrations() -> list[WrappedFunction]:
 
 
 def reproduce(mesh: Any) -> str | None:
-    """Rank ``r`` holds torch.chunk's part ``r`` of a ``[2k + 1, 3]`` tensor (lengths differ
-    between ranks) and wraps it with ``DTensor.from_local(local, mesh, [Shard(0)])``: the global
+    """Rank ``r`` holds torch.chunk's part ``r`` of a ``[2k - 1, 3]`` tensor on ``k`` ranks
+    (2 rows each, 1 on the last: every rank gets a part, and lengths differ) and wraps it with ``DTensor.from_local(local, mesh, [Shard(0)])``: the global
     shape, every rank's agreement on it, and the full value against the plain tensor."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
@@ -331,7 +331,8 @@ def reproduce(mesh: Any) -> str | None:
     parts = mesh.size()
     if parts == 1:
         return None
-    full = torch.arange((2 * parts + 1) * 3, dtype=torch.float32).reshape(2 * parts + 1, 3)
+    rows = 2 * parts - 1  # torch.chunk of 2k + 1 rows gives fewer than k parts on 4 ranks
+    full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
     local = torch.chunk(full, parts)[mesh.get_local_rank()].clone()
     dt = DTensor.from_local(local, mesh, [Shard(0)])
     shapes: list[Any] = [None] * parts

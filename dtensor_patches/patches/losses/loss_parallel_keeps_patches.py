@@ -62,13 +62,14 @@ def reproduce(mesh: object) -> str | None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    logits, target = randn(4, 6), torch.tensor([0, 5, 2, 3])
+    # Sizes that leave no rank an empty shard on 2 or 4 ranks (7 rows: 4, 3 and 2, 2, 2, 1).
+    logits, target = randn(4, 8), torch.tensor([0, 5, 2, 3])
     with loss_parallel():
         F.cross_entropy(
             distribute_tensor(logits, mesh, [Shard(1)]),
             distribute_tensor(target, mesh, [Replicate()]),
         )
-    x, t = randn(5, 3), torch.tensor([0, 2, 1, 1, 0])
+    x, t = randn(7, 3), torch.tensor([0, 2, 1, 1, 0, 2, 1])
 
     def after() -> torch.Tensor:
         return F.cross_entropy(
@@ -79,7 +80,7 @@ def reproduce(mesh: object) -> str | None:
 
     got, error = failure_of(after)
     if error is not None:
-        return f"cross_entropy(5x3 Shard(0)) after a loss_parallel() block: {error}"
+        return f"cross_entropy(7x3 Shard(0)) after a loss_parallel() block: {error}"
     return compare(
         got, F.cross_entropy(x, t, ignore_index=1), what="cross_entropy after loss_parallel()"
     )

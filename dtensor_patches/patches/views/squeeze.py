@@ -81,11 +81,35 @@ def _registrations() -> list[MissRule]:
     return [MissRule(op, _rule) for op in OPS]
 
 
+def _ranks() -> int:
+    """The number of ranks: ``[ranks, ...]`` placed ``Shard(0)`` leaves every rank one row, the
+    locally size-1 dim this bug is about (2 fixed rows would leave ranks empty on 4 ranks, where
+    stock torch's collectives disagree in size and abort gloo)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 2
+
+
 # The tripwire's cases: ``squeeze`` of tensors with locally and globally size-1 dims vs single-device results.
 CASES = [
-    Case("x.squeeze() 2x4 Shard(0)", lambda x: x.squeeze(), lambda: [randn(2, 4)], ["S0"]),
-    Case("x.squeeze(0) 2x4 Shard(0)", lambda x: x.squeeze(0), lambda: [randn(2, 4)], ["S0"]),
-    Case("x.squeeze() 2x1x3 Shard(0)", lambda x: x.squeeze(), lambda: [randn(2, 1, 3)], ["S0"]),
+    Case(
+        "x.squeeze() [ranks, 4] Shard(0)",
+        lambda x: x.squeeze(),
+        lambda: [randn(_ranks(), 4)],
+        ["S0"],
+    ),
+    Case(
+        "x.squeeze(0) [ranks, 4] Shard(0)",
+        lambda x: x.squeeze(0),
+        lambda: [randn(_ranks(), 4)],
+        ["S0"],
+    ),
+    Case(
+        "x.squeeze() [ranks, 1, 3] Shard(0)",
+        lambda x: x.squeeze(),
+        lambda: [randn(_ranks(), 1, 3)],
+        ["S0"],
+    ),
     Case("x.squeeze(-1) 4x1 Shard(0)", lambda x: x.squeeze(-1), lambda: [randn(4, 1)], ["S0"]),
 ]
 

@@ -27,12 +27,17 @@ def moves_no_full_tensor(
 ) -> str | None:
     """Run each ``(label, fn)`` as ``fn(logits, *extra())`` on plain tensors and on ``Shard(-1)``
     logits (the extra tensors replicated); ``None`` when every output equals the single device
-    and the rank received fewer bytes in all of the case's collectives than its own shard of
-    the logits holds, else what is wrong."""
+    and the rank received fewer bytes in all of the case's collectives than an all-gather of
+    the logits brings it (the other ranks' shards: ``(world - 1) / world`` of the logits, its
+    own shard's size on 2 ranks), else what is wrong. Not the shard's size: a reduction's
+    statistics per row (and topk's ``k`` candidates per rank) grow with the ranks while the
+    shards shrink, so on 4 ranks the tiny logits here would fail a fix that moves nothing
+    like the logits."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     logits = randn(*shape)
-    shard_bytes = logits.numel() * logits.element_size() // mesh.size()
+    world = mesh.size()
+    gather_bytes = logits.numel() * logits.element_size() * (world - 1) // world
     for label, fn in cases:
         expected = _outputs(fn(logits.clone(), *extra()))
         dist_logits = distribute_tensor(logits, mesh, [Shard(logits.ndim - 1)])
@@ -46,9 +51,9 @@ def moves_no_full_tensor(
             problem = compare(full, e, what=f"{label} output {i}")
             if problem is not None:
                 return problem
-        if comm.received >= shard_bytes:
+        if comm.received >= gather_bytes:
             return (
                 f"{label}: moved {comm.received} bytes to this rank ({dict(comm.calls)}), "
-                f"at least its whole shard of the logits ({shard_bytes} bytes)"
+                f"at least what an all-gather of the logits brings it ({gather_bytes} bytes)"
             )
     return None
