@@ -323,7 +323,8 @@ def _registrations() -> list[WrappedFunction]:
 
 def reproduce(mesh: Any) -> str | None:
     """Rank ``r`` holds torch.chunk's part ``r`` of a ``[2k - 1, 3]`` tensor on ``k`` ranks
-    (2 rows each, 1 on the last: every rank gets a part, and lengths differ) and wraps it with ``DTensor.from_local(local, mesh, [Shard(0)])``: the global
+    (2 rows each, 1 on the last: every rank gets a part, and lengths differ) and wraps it
+    with ``DTensor.from_local(local, mesh, [Shard(0)])``: the global
     shape, every rank's agreement on it, and the full value against the plain tensor."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
